@@ -1,0 +1,38 @@
+"""s5serve engine: restored-S5 KV rows and a continuous-batching step engine.
+
+Map of the package (one owner per resource, data flows top to bottom):
+
+    config.py        EngineConfig (frozen): model, device, dtype, KV policy, limits
+    types.py         plain data shared across the engine: SamplingParams, Request, outputs, errors
+    model_loader.py  turns a model spec ("embedded", a path, an id, "tiny-random") into weights
+    kv_policy.py     which positions each layer keeps between forwards (pure functions)
+    kv_rows.py       RowPool: owns every K/V byte (ring slots, paged blocks, rows, snapshots)
+    attention.py     StepAttention: ragged attention of one step's tokens over the pool
+    hf_adapter.py    the only module that touches transformers (a registered attention function)
+    model_runner.py  one batched forward per step: packs tokens, returns logits of sampled rows
+    sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
+    detokenizer.py   incremental UTF-8-safe detokenization and stop strings
+    scheduler.py     admission, token budget, prefill chunks + decodes (no torch)
+    engine.py        Engine.step(): schedule -> run -> apply; sessions; abort and rollback
+    worker.py        the asyncio bridge: one thread runs step(), one channel per request
+"""
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.types import (
+    EngineError,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,231 @@
+"""StepAttention: one step's ragged attention over the row pool, and its K/V write-back.
+
+A step packs the new tokens of every scheduled row into one sequence (decode rows first, one token
+each, then prefill chunks). Attention runs in groups without query padding: all one-token rows
+together as a batch (keys padded to the longest row with masked zero slots), then each multi-token
+chunk on its own. Every index and mask is built once per step here and shared by all layers of the
+same layout; the per-layer work is a gather, one SDPA per group and one scatter.
+
+Mask (DESIGN.md section 1), for a query at position q in a forward that started at s:
+key k is visible iff  k <= q,  q - k < attn_window (sliding layers),  and on ring layers
+(k >= s  or  k < sink  or  k >= s - window). Resident ring slots hold only such keys by
+construction; the rule is still applied here, so the mask alone defines what a query sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_policy import ring_slot, ring_survives
+from engine.kv_rows import RowPool
+
+
+@dataclass(frozen=True)
+class ForwardChunk:
+    """One row's share of a step."""
+
+    row: int
+    num_tokens: int  # new tokens this step
+    start: int  # position of the first new token (== the row's kv_len)
+    forward_start: int  # first position of the logical forward this chunk belongs to
+    forward_done: bool  # the logical forward ends with this chunk
+
+
+@dataclass
+class _Group:
+    token_index: torch.Tensor  # [B, T] indices into the packed sequence
+    gather: dict[bool, torch.Tensor]  # paged? -> [B, L_res] storage slots
+    staged_rows: list[int | None]  # B == 1 groups: row whose staging joins the keys
+    masks: dict[tuple[bool, int | None], torch.Tensor]  # (paged, attn_window) -> [B, 1, T, L]
+
+
+class StepAttention:
+    def __init__(self, pool: RowPool, chunks: list[ForwardChunk]) -> None:
+        self.pool = pool
+        self.chunks = chunks
+        dev = pool.device
+        # One-token forwards (decodes) batch together; anything else, including the last token of
+        # a longer forward (it may need staged keys), runs as a group of its own.
+        single = [c.num_tokens == 1 and c.forward_start == c.start for c in chunks]
+        decode = [c for c, one in zip(chunks, single) if one]
+        prefill = [c for c, one in zip(chunks, single) if not one]
+        self.order = decode + prefill  # packed order of the step's tokens
+        offsets, n = [], 0
+        for c in self.order:
+            offsets.append(n)
+            n += c.num_tokens
+        self.num_tokens = n
+        self.positions = torch.tensor(
+            [p for c in self.order for p in range(c.start, c.start + c.num_tokens)], dtype=torch.long
+        )  # [T_total]
+        classes = {(lay.paged, lay.attn_window) for lay in pool.layouts}
+        self.groups: list[_Group] = []
+        if decode:
+            self.groups.append(self._group(decode, offsets[: len(decode)], classes, dev))
+        for c, off in zip(prefill, offsets[len(decode) :]):
+            self.groups.append(self._group([c], [off], classes, dev))
+        self._build_writes(offsets, dev)
+
+    # ---- index building (host, once per step) -------------------------------------------------
+    def _resident(self, c: ForwardChunk, paged: bool) -> tuple[list[int], list[int]]:
+        """Storage slots and positions of the keys a chunk's row holds before this step."""
+        pool = self.pool
+        if paged:
+            return pool.paged_slots(c.row, 0, c.start), list(range(c.start))
+        base = pool.ring_base(c.row)
+        pos = pool.ring_pos[c.row].tolist()
+        return [base + j for j in range(pool.ring_slots)], pos
+
+    def _group(self, chunks, offsets, classes, dev) -> _Group:
+        pool = self.pool
+        tmax = max(c.num_tokens for c in chunks)
+        token_index = torch.tensor(
+            [[off + min(t, c.num_tokens - 1) for t in range(tmax)] for c, off in zip(chunks, offsets)],
+            dtype=torch.long,
+        )
+        q_pos = torch.tensor([[c.start + t for t in range(tmax)] for c in chunks], dtype=torch.long)
+        gather, key_pos = {}, {}
+        staged_rows: list[int | None] = []
+        for c in chunks:
+            st = pool.row(c.row).staging if pool.staged else None
+            staged_rows.append(c.row if st is not None and st.num_tokens > 0 else None)
+        for paged in {p for p, _ in classes}:
+            res = [self._resident(c, paged) for c in chunks]
+            lres = max(len(s) for s, _ in res)
+            slots = torch.zeros(len(chunks), lres, dtype=torch.long)  # pad -> slot 0 (zeros)
+            pos = torch.full((len(chunks), lres), -1, dtype=torch.long)
+            for b, (s, p) in enumerate(res):
+                slots[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+                pos[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            extra = []
+            if not paged and len(chunks) == 1 and staged_rows[0] is not None:
+                c = chunks[0]
+                extra.append(torch.arange(c.forward_start, c.start).unsqueeze(0))
+            extra.append(q_pos)
+            gather[paged] = slots.to(dev)
+            key_pos[paged] = torch.cat([pos, *extra], dim=1)  # [B, L]
+        fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None]
+        masks = {}
+        for paged, attn_window in classes:
+            k = key_pos[paged][:, None, :]  # [B, 1, L]
+            q = q_pos[:, :, None]  # [B, T, 1]
+            m = (k >= 0) & (k <= q)
+            if attn_window is not None:
+                m &= (q - k) < attn_window
+            if not paged:
+                m &= (k >= fstart) | (k < pool.sink) | (k >= fstart - pool.window)
+            masks[(paged, attn_window)] = m[:, None].to(dev)  # [B, 1, T, L]
+        return _Group(token_index.to(dev), gather, staged_rows, masks)
+
+    def _build_writes(self, offsets, dev) -> None:
+        pool = self.pool
+        pw_slots, pw_src, rw_slots, rw_src = [], [], [], []
+        self.stage_src: list[tuple[int, int, int]] = []  # (row, packed start, n) to append
+        self.unstage: list[tuple[int, list[int], list[int]]] = []  # (row, ring slots, staging idx)
+        for c, off in zip(self.order, offsets):
+            end = c.start + c.num_tokens
+            if pool.paged_layers:
+                pw_slots += pool.paged_slots(c.row, c.start, end)
+                pw_src += range(off, off + c.num_tokens)
+            if not pool.ring_layers:
+                continue
+            if pool.staged and not c.forward_done:
+                pool.open_staging(c.row, c.forward_start)
+                self.stage_src.append((c.row, off, c.num_tokens))
+                continue
+            base = pool.ring_base(c.row)
+            for t in range(c.num_tokens):
+                p = c.start + t
+                if ring_survives(p, end, pool.sink, pool.window):
+                    rw_slots.append(base + ring_slot(p, pool.sink, pool.window))
+                    rw_src.append(off + t)
+            st = pool.row(c.row).staging if pool.staged else None
+            if st is not None and st.num_tokens > 0:
+                slots, idx = [], []
+                for j in range(st.num_tokens):
+                    p = st.start + j
+                    if ring_survives(p, end, pool.sink, pool.window):
+                        slots.append(base + ring_slot(p, pool.sink, pool.window))
+                        idx.append(j)
+                self.unstage.append((c.row, slots, idx))
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        self.paged_write = (as_t(pw_slots), as_t(pw_src))
+        self.ring_write = (as_t(rw_slots), as_t(rw_src))
+
+    # ---- per layer ----------------------------------------------------------------------------
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,  # [1, H, T_total, D]
+        key: torch.Tensor,  # [1, Hkv, T_total, D]  (this step's new tokens, RoPE applied)
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention output [1, T_total, H, D] for `layer`; then stores the new K/V."""
+        pool = self.pool
+        lay = pool.layouts[layer]
+        store_k, store_v = pool.k[layer], pool.v[layer]
+        k_new = key[0].transpose(0, 1)  # [T_total, Hkv, D]
+        v_new = value[0].transpose(0, 1)
+        q_all = query[0]  # [H, T_total, D]
+        outs = []
+        for g in self.groups:
+            slots = g.gather[lay.paged]
+            keys = [store_k[slots]]  # [B, L_res, Hkv, D]
+            vals = [store_v[slots]]
+            row = g.staged_rows[0] if not lay.paged else None
+            if row is not None:
+                st = pool.row(row).staging
+                keys.append(st.k[layer].unsqueeze(0))
+                vals.append(st.v[layer].unsqueeze(0))
+            keys.append(k_new[g.token_index])  # [B, T, Hkv, D]
+            vals.append(v_new[g.token_index])
+            k = torch.cat(keys, dim=1).transpose(1, 2)  # [B, Hkv, L, D]
+            v = torch.cat(vals, dim=1).transpose(1, 2)
+            q = q_all[:, g.token_index].transpose(0, 1)  # [B, H, T, D]
+            mask = g.masks[(lay.paged, lay.attn_window)]
+            o = _sdpa(q, k, v, mask, scaling, softcap)  # [B, H, T, D]
+            outs.append(o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T_total, H, D]
+        self._store(layer, k_new, v_new)
+        return out.unsqueeze(0)
+
+    def _store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        pool = self.pool
+        if pool.layouts[layer].paged:
+            slots, src = self.paged_write
+            pool.k[layer][slots] = k_new[src]
+            pool.v[layer][slots] = v_new[src]
+            return
+        for row, slots, idx in self.unstage:
+            st = pool.row(row).staging
+            sl = torch.tensor(slots, dtype=torch.long, device=pool.device)
+            ix = torch.tensor(idx, dtype=torch.long, device=pool.device)
+            pool.k[layer][sl] = st.k[layer][ix]
+            pool.v[layer][sl] = st.v[layer][ix]
+        slots, src = self.ring_write
+        pool.k[layer][slots] = k_new[src]
+        pool.v[layer][slots] = v_new[src]
+        for row, off, n in self.stage_src:
+            pool.stage(row, layer, k_new[off : off + n], v_new[off : off + n])
+
+    def commit(self) -> None:
+        """After the forward: the pool records every chunk's new length and ring positions."""
+        for c in self.chunks:
+            self.pool.commit(c.row, c.start + c.num_tokens, c.forward_start, c.forward_done)
+
+
+def _sdpa(q, k, v, mask, scaling, softcap):
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

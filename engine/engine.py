@@ -1,0 +1,368 @@
+"""Engine: the synchronous core. `step()` = schedule -> run -> apply.
+
+The engine owns the model runner, the row pool, the scheduler and the sessions. It is not
+thread-safe: exactly one thread calls it (worker.py). Every request's lifetime ends in `_finish`,
+whatever the reason (stop, length, abort, error): a stateless request's row is freed there, and a
+session's turn is either committed (history grows) or rolled back to the last completed turn.
+
+A session's history is every token fed to or produced by the model. The row holds K/V for all but
+possibly the last one (a sampled token is fed only by the next forward), so a new turn feeds
+`history[kv_len:] + new input` as one logical forward: history is never prefilled twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import ForwardChunk
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hf_adapter import geometry
+from engine.kv_policy import layer_layouts
+from engine.kv_rows import RowPool, RowSnapshot
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, RunnerInput
+from engine.sampler import make_generator, sample
+from engine.scheduler import Scheduler, SchedRequest
+from engine.types import EngineError, FinishReason, Request, RequestOutput
+
+
+@dataclass
+class _Session:
+    session_id: str
+    tokens: list[int] = field(default_factory=list)  # history (the last may be uncomputed)
+    row: int | None = None  # None: no row yet, or evicted (the next turn re-prefills)
+    busy: str | None = None  # request id of the turn in flight
+    num_turns: int = 0
+    num_evictions: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Live:
+    request: Request
+    sched: SchedRequest
+    feed: list[int]  # tokens this turn prefills: uncomputed history + new input
+    num_cached: int  # history tokens already in the row
+    history_len: int  # session history length when the turn began (rollback point)
+    max_len: int  # positions this request may reach (context limit)
+    generator: torch.Generator
+    detok: IncrementalDetokenizer | None
+    row: int | None = None
+    forward_start: int = 0  # row length when the turn's forward began
+    snapshot: RowSnapshot | None = None  # row state to restore if the turn does not complete
+    row_is_new: bool = False  # row allocated for this turn (rollback frees it)
+    output_ids: list[int] = field(default_factory=list)
+    stop_string_hit: bool = False
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_model(config)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        geo = geometry(loaded.model)
+        self.geometry = geo
+        self.max_model_len = min(config.max_model_len or geo.max_position_embeddings, geo.max_position_embeddings)
+        self.eos_token_ids = set(geo.eos_token_ids)
+        self.layouts = layer_layouts(
+            config.kv_policy, geo.layer_types, geo.native_window, config.kv_sink, config.kv_window
+        )
+        dtype = next(loaded.model.parameters()).dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            dtype = torch.bfloat16  # quantized weights: K/V in the compute dtype
+        num_paged = sum(lay.paged for lay in self.layouts)
+        token_bytes = geo.num_kv_heads * geo.head_dim * torch.empty((), dtype=dtype).element_size()
+        block_bytes = 2 * config.kv_block_size * token_bytes * max(num_paged, 1)
+        self.pool = RowPool(
+            self.layouts,
+            geo.num_kv_heads,
+            geo.head_dim,
+            dtype,
+            config.device,
+            num_rows=config.max_rows,
+            block_size=config.kv_block_size,
+            num_blocks=max(2, config.kv_cache_bytes // block_bytes + 1),
+        )
+        self.runner = ModelRunner(loaded.model, self.pool)
+        self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, self)
+        self.sessions: dict[str, _Session] = {}
+        self._live: dict[str, _Live] = {}
+        self._seeds = itertools.count(config.seed * 1_000_003)
+        # Observer of every sampled distribution: (request_id, position of the last fed token,
+        # logits). Tests and fidelity benchmarks use it; None in serving.
+        self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0}
+
+    # ---- sessions -----------------------------------------------------------------------------
+    def create_session(self, session_id: str | None = None) -> str:
+        sid = session_id or uuid.uuid4().hex  # 128 random bits
+        if sid in self.sessions:
+            raise EngineError(f"session {sid} exists", code="session_exists")
+        self.sessions[sid] = _Session(sid)
+        return sid
+
+    def close_session(self, session_id: str) -> bool:
+        """Ends the session (aborting a turn in flight) and frees its row. Idempotent."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return False
+        if s.busy is not None:
+            self.abort(s.busy)
+        if s.row is not None:
+            self.pool.free_row(s.row)
+        del self.sessions[session_id]
+        return True
+
+    def reset_session(self, session_id: str) -> None:
+        """Forget the history (the row is emptied); used when a client's prompt diverges."""
+        s = self._session(session_id)
+        if s.busy is not None:
+            raise EngineError("session has a turn in flight", code="session_busy")
+        if s.row is not None:
+            self.pool.free_row(s.row)
+            s.row = None
+        s.tokens = []
+
+    def release_row(self, session_id: str) -> bool:
+        """Evict an idle session's row; its history stays, and its next turn re-prefills it."""
+        s = self._session(session_id)
+        if s.busy is not None or s.row is None:
+            return False
+        self.pool.free_row(s.row)
+        s.row = None
+        s.num_evictions += 1
+        self.stats["evictions"] += 1
+        return True
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        return list(self._session(session_id).tokens)
+
+    def session_info(self, session_id: str) -> dict:
+        s = self._session(session_id)
+        kv = self.pool.resident_kv_bytes(s.row) if s.row is not None else {"total": 0}
+        return {
+            "id": s.session_id,
+            "history_tokens": len(s.tokens),
+            "kv_tokens": self.pool.kv_len(s.row) if s.row is not None else 0,
+            "resident_kv_bytes": kv["total"],
+            "resident_kv": kv,
+            "idle_seconds": 0.0 if s.busy else time.monotonic() - s.last_used,
+            "state": "busy" if s.busy else ("resident" if s.row is not None else "offloaded"),
+            "turns": s.num_turns,
+            "evictions": s.num_evictions,
+        }
+
+    def _session(self, session_id: str) -> _Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise EngineError(f"session {session_id} not found", code="session_not_found", param="session_id")
+        return s
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises EngineError (and changes nothing) if it is invalid."""
+        if request.request_id in self._live:
+            raise EngineError("duplicate request id", code="duplicate_request_id")
+        params = request.params
+        params.validate()
+        ids = request.prompt_token_ids
+        if not ids:
+            raise EngineError("prompt is empty", param="prompt")
+        vocab = self.geometry.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
+            raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer", param="stop")
+        session = self._session(request.session_id) if request.session_id is not None else None
+        if session is not None and session.busy is not None:
+            raise EngineError("session has a turn in flight", code="session_busy", param="session_id")
+        history = session.tokens if session is not None else []
+        if len(history) + len(ids) >= self.max_model_len:
+            raise EngineError(
+                f"history ({len(history)}) + prompt ({len(ids)}) tokens reach the context limit of "
+                f"{self.max_model_len} tokens",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        kv_len = self.pool.kv_len(session.row) if session is not None and session.row is not None else 0
+        feed = history[kv_len:] + list(ids)
+        max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)
+        if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
+            raise EngineError(
+                f"{max_len} tokens exceed the KV cache ({(self.pool.num_blocks - 1) * self.pool.block_size} "
+                "tokens); lower max_tokens",
+                code="kv_capacity_exceeded",
+                param="max_tokens",
+            )
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        live = _Live(
+            request=request,
+            sched=SchedRequest(request.request_id, len(feed)),
+            feed=feed,
+            num_cached=kv_len,
+            history_len=len(history),
+            max_len=max_len,
+            generator=make_generator(seed),
+            detok=detok,
+        )
+        self._live[request.request_id] = live
+        if session is not None:
+            session.busy = request.request_id
+        self.scheduler.add(live.sched)
+
+    def try_admit(self, request_id: str) -> bool:
+        """KVCapacity for the scheduler: take a row and reserve blocks, or change nothing."""
+        live = self._live[request_id]
+        session = self.sessions.get(live.request.session_id) if live.request.session_id else None
+        row = session.row if session is not None else None
+        if row is None and not self.pool.can_allocate_row() and not self._evict_idle_row():
+            return False
+        if not self.pool.can_reserve(row, live.max_len):
+            return False
+        if row is None:
+            row = self.pool.allocate_row()
+            live.row_is_new = True
+            if session is not None:
+                session.row = row
+        elif session is not None:
+            live.snapshot = self.pool.snapshot(row)
+        self.pool.reserve(row, live.max_len)
+        live.row = row
+        live.forward_start = self.pool.kv_len(row)
+        return True
+
+    def _evict_idle_row(self) -> bool:
+        idle = [s for s in self.sessions.values() if s.row is not None and s.busy is None]
+        if not idle:
+            return False
+        return self.release_row(min(idle, key=lambda s: s.last_used).session_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now (between steps); rolls its session back. None if unknown."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        return self._finish(live, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        inputs: list[RunnerInput] = []
+        lives: list[_Live] = []
+        for c in plan.chunks:
+            live = self._live[c.request_id]
+            start = self.pool.kv_len(live.row)
+            if c.decode:
+                tokens, fstart = [live.output_ids[-1]], start
+                self.stats["decode_tokens"] += 1
+            else:
+                off = live.sched.num_computed - c.num_tokens
+                tokens, fstart = live.feed[off : off + c.num_tokens], live.forward_start
+                self.stats["prefill_tokens"] += c.num_tokens
+            chunk = ForwardChunk(live.row, c.num_tokens, start, fstart, c.prefill_done)
+            inputs.append(RunnerInput(chunk, tokens, wants_logits=c.prefill_done))
+            lives.append(live)
+        self.stats["steps"] += 1
+        try:
+            logits = self.runner.run(inputs)
+        except Exception as exc:  # the forward failed: end every request in it, keep serving
+            return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
+        outputs = []
+        for n, live in enumerate(lives):
+            if n in logits:
+                outputs.append(self._apply(live, logits[n]))
+        return outputs
+
+    def _apply(self, live: _Live, logits: torch.Tensor) -> RequestOutput:
+        params = live.request.params
+        if self.logits_hook is not None:
+            self.logits_hook(live.request.request_id, self.pool.kv_len(live.row) - 1, logits)
+        try:
+            token = sample(logits, params, live.generator)
+        except Exception as exc:
+            return self._finish(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
+        live.output_ids.append(token)
+        reason, delta = None, ""
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif live.detok is not None:
+            delta, stopped = live.detok.add(token)
+            if stopped:
+                reason, live.stop_string_hit = FinishReason.STOP, True
+        if reason is None and (
+            len(live.output_ids) >= params.max_tokens
+            or self.pool.kv_len(live.row) + 1 >= live.max_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(live, reason, last_token=token, delta=delta)
+        return self._output(live, [token], delta, None)
+
+    def _output(self, live, new_ids, delta, reason, error=None) -> RequestOutput:
+        return RequestOutput(
+            request_id=live.request.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(live.feed),
+            num_cached_tokens=live.num_cached,
+            num_output_tokens=len(live.output_ids),
+            error=error,
+        )
+
+    def _finish(self, live: _Live, reason: FinishReason, last_token=None, delta="", error=None) -> RequestOutput:
+        """The one place a request's lifetime ends."""
+        rid = live.request.request_id
+        self.scheduler.remove(rid)
+        del self._live[rid]
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if completed and live.detok is not None and not live.stop_string_hit:
+            delta += live.detok.flush()  # held text that never became a stop string
+        session = self.sessions.get(live.request.session_id) if live.request.session_id else None
+        if session is None:
+            if live.row is not None:
+                self.pool.free_row(live.row)
+        elif completed:
+            session.tokens = session.tokens[: live.history_len] + list(live.request.prompt_token_ids) + live.output_ids
+            session.num_turns += 1
+            self.pool.trim(live.row)
+        elif live.row is not None:  # abort or error: back to the last completed turn
+            if live.row_is_new:
+                self.pool.free_row(live.row)
+                session.row = None
+            else:
+                self.pool.restore(live.row, live.snapshot)
+        if session is not None:
+            session.busy = None
+            session.last_used = time.monotonic()
+        new_ids = [last_token] if last_token is not None else []
+        return self._output(live, new_ids, delta, reason, error)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        rows = [s.row for s in self.sessions.values() if s.row is not None]
+        rows += [lv.row for lv in self._live.values() if lv.row is not None and lv.request.session_id is None]
+        assert sorted(rows) == self.pool.used_rows(), "engine and pool disagree on used rows"

@@ -1,0 +1,292 @@
+"""RowPool: the single owner of every K/V byte of the engine.
+
+Storage, per decoder layer (K and V alike), token-major so any set of positions is one gather:
+
+    paged layer   [num_blocks * block_size, num_kv_heads, head_dim]   block 0 is the zero block
+    ring layer    [num_rows * ring_slots,   num_kv_heads, head_dim]   ring_slots = sink + window
+
+A row is one session (or one stateless request). It owns a list of blocks (paged layers keep every
+position, so memory follows the row's length) and a fixed run of ring slots (bounded layers keep
+sink + window positions, so memory is constant in context length). `ring_pos[row, slot]` is the
+position a ring slot holds (-1: empty). A forward split over several steps stages its own tokens
+for staged ring layers until its last chunk (see kv_policy.py); staging is transient and counted.
+
+Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`),
+and `check_invariants()` verifies: free + used == total for rows and blocks, no block owned twice,
+bytes accounted == bytes allocated, and every ring slot holds the position that maps to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_policy import LayerLayout, ring_slot
+
+
+@dataclass
+class Staging:
+    """This forward's own tokens on staged ring layers, while it spans several steps."""
+
+    start: int  # first position of the forward
+    k: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, Hkv, D]
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return next(iter(self.k.values())).shape[0] if self.k else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k.values()) + sum(t.nbytes for t in self.v.values())
+
+
+@dataclass
+class RowState:
+    kv_len: int = 0  # positions whose K/V the row holds (computed)
+    blocks: list[int] = field(default_factory=list)  # paged layers: block ids, in position order
+    staging: Staging | None = None
+
+
+@dataclass
+class RowSnapshot:
+    """A row as it was at a turn boundary; restoring it undoes a cancelled turn exactly."""
+
+    kv_len: int
+    ring_pos: torch.Tensor  # [ring_slots]
+    ring_k: dict[int, torch.Tensor]  # layer -> [ring_slots, Hkv, D]
+    ring_v: dict[int, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.ring_k.values()) * 2
+
+
+class RowPool:
+    def __init__(
+        self,
+        layouts: list[LayerLayout],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_rows: int,
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self.layouts = layouts
+        self.num_rows = num_rows
+        self.block_size = block_size
+        self.num_blocks = num_blocks  # including the reserved zero block 0
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.paged_layers = [i for i, lay in enumerate(layouts) if lay.paged]
+        self.ring_layers = [i for i, lay in enumerate(layouts) if not lay.paged]
+        rings = {(layouts[i].sink, layouts[i].window, layouts[i].staged) for i in self.ring_layers}
+        if len(rings) > 1:
+            raise ValueError("all ring layers must share one (sink, window) shape")
+        self.sink, self.window, self.staged = rings.pop() if rings else (0, 0, False)
+        self.ring_slots = self.sink + self.window
+        if self.paged_layers and num_blocks < 2:
+            raise ValueError("the paged pool needs at least 2 blocks (block 0 is reserved)")
+
+        token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.token_bytes = token_bytes  # one position of one layer, K or V
+        self.block_bytes = 2 * block_size * token_bytes * len(self.paged_layers)
+        self.ring_row_bytes = 2 * self.ring_slots * token_bytes * len(self.ring_layers)
+
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for lay in layouts:
+            n = num_blocks * block_size if lay.paged else num_rows * self.ring_slots
+            # Zeroed: padding gathers read block 0 and empty ring slots, and masked keys must
+            # still be finite (0 * NaN would poison the softmax).
+            shape = (n, num_kv_heads, head_dim)  # [slots, Hkv, D]
+            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+        self.ring_pos = torch.full((num_rows, self.ring_slots), -1, dtype=torch.long)  # host
+
+        self._rows: dict[int, RowState] = {}
+        self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
+        self._free_blocks: list[int] = list(range(num_blocks - 1, 0, -1))
+
+    # ---- capacity -----------------------------------------------------------------------------
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks) if self.paged_layers else 1 << 62
+
+    def blocks_for(self, num_tokens: int) -> int:
+        if not self.paged_layers:
+            return 0
+        return -(-num_tokens // self.block_size)
+
+    def blocks_to_reserve(self, row: int | None, total_len: int) -> int:
+        held = len(self._rows[row].blocks) if row is not None else 0
+        return max(0, self.blocks_for(total_len) - held)
+
+    def can_allocate_row(self) -> bool:
+        return bool(self._free_rows)
+
+    def can_reserve(self, row: int | None, total_len: int) -> bool:
+        return self.blocks_to_reserve(row, total_len) <= self.num_free_blocks
+
+    # ---- commit verbs ---------------------------------------------------------------------------
+    def allocate_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free KV row")
+        row = self._free_rows.pop()
+        self._rows[row] = RowState()
+        self.ring_pos[row] = -1
+        return row
+
+    def reserve(self, row: int, total_len: int) -> None:
+        """Ensure the row owns blocks for `total_len` positions."""
+        need = self.blocks_to_reserve(row, total_len)
+        if need > len(self._free_blocks):
+            raise RuntimeError("not enough free KV blocks")
+        for _ in range(need):
+            self._rows[row].blocks.append(self._free_blocks.pop())
+
+    def trim(self, row: int) -> None:
+        """Release blocks past the row's length (reserved for a turn that ended early)."""
+        state = self._rows[row]
+        keep = self.blocks_for(state.kv_len)
+        while len(state.blocks) > keep:
+            self._free_blocks.append(state.blocks.pop())
+
+    def free_row(self, row: int) -> None:
+        state = self._rows.pop(row)
+        self._free_blocks.extend(reversed(state.blocks))
+        self.ring_pos[row] = -1
+        self._free_rows.append(row)
+
+    def reset_row(self, row: int) -> None:
+        """Empty a row in place (keeps the row, releases its blocks)."""
+        state = self._rows[row]
+        state.kv_len = 0
+        state.staging = None
+        self.ring_pos[row] = -1
+        self.trim(row)
+
+    # ---- snapshots (rollback of a cancelled turn) ------------------------------------------------
+    def snapshot(self, row: int) -> RowSnapshot:
+        sl = self._ring_range(row)
+        return RowSnapshot(
+            kv_len=self._rows[row].kv_len,
+            ring_pos=self.ring_pos[row].clone(),
+            ring_k={i: self.k[i][sl].clone() for i in self.ring_layers},
+            ring_v={i: self.v[i][sl].clone() for i in self.ring_layers},
+        )
+
+    def restore(self, row: int, snap: RowSnapshot) -> None:
+        sl = self._ring_range(row)
+        for i in self.ring_layers:
+            self.k[i][sl] = snap.ring_k[i]
+            self.v[i][sl] = snap.ring_v[i]
+        self.ring_pos[row] = snap.ring_pos
+        state = self._rows[row]
+        state.kv_len = snap.kv_len
+        state.staging = None
+        self.trim(row)
+
+    # ---- reads for the step ---------------------------------------------------------------------
+    def row(self, row: int) -> RowState:
+        return self._rows[row]
+
+    def kv_len(self, row: int) -> int:
+        return self._rows[row].kv_len
+
+    def paged_slots(self, row: int, start: int, end: int) -> list[int]:
+        """Storage slots of positions [start, end) on paged layers (blocks must be reserved)."""
+        blocks, bs = self._rows[row].blocks, self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def ring_base(self, row: int) -> int:
+        return row * self.ring_slots
+
+    def _ring_range(self, row: int) -> slice:
+        base = self.ring_base(row)
+        return slice(base, base + self.ring_slots)
+
+    # ---- writes during the step (called per layer by the attention) -----------------------------
+    def stage(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append this forward's new K/V ([n, Hkv, D]) to the row's staging for `layer`."""
+        st = self._rows[row].staging
+        assert st is not None, "staging must be opened before the forward"
+        if layer in st.k:
+            st.k[layer] = torch.cat([st.k[layer], k])
+            st.v[layer] = torch.cat([st.v[layer], v])
+        else:
+            st.k[layer], st.v[layer] = k.clone(), v.clone()
+
+    def open_staging(self, row: int, start: int) -> Staging:
+        state = self._rows[row]
+        if state.staging is None:
+            state.staging = Staging(start=start)
+        return state.staging
+
+    # ---- bookkeeping after the step ---------------------------------------------------------------
+    def commit(self, row: int, end: int, forward_start: int, forward_done: bool) -> None:
+        """Record that the row now holds positions [0, end); update ring slot positions."""
+        state = self._rows[row]
+        start = state.kv_len
+        state.kv_len = end
+        if not self.ring_layers:
+            return
+        if self.staged and not forward_done:
+            return  # this forward's tokens stay staged until its last chunk
+        first = forward_start if self.staged else start
+        for p in range(first, end):
+            if p < self.sink or p >= end - self.window:
+                self.ring_pos[row, ring_slot(p, self.sink, self.window)] = p
+        if forward_done:
+            state.staging = None
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def resident_kv_bytes(self, row: int) -> dict[str, int]:
+        """Bytes the row holds: paged (exact layers), ring (bounded layers), staging (transient)."""
+        state = self._rows[row]
+        staging = state.staging.nbytes if state.staging is not None else 0
+        paged = len(state.blocks) * self.block_bytes
+        ring = self.ring_row_bytes
+        return {"paged": paged, "ring": ring, "staging": staging, "total": paged + ring + staging}
+
+    def allocated_bytes(self) -> int:
+        """Bytes of K/V storage, less the reserved zero block."""
+        total = sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+        return total - (self.block_bytes if self.paged_layers else 0)
+
+    def used_rows(self) -> list[int]:
+        return sorted(self._rows)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's books do not balance."""
+        used = set(self._rows)
+        free = set(self._free_rows)
+        assert not used & free, "a row is both used and free"
+        assert len(free) == len(self._free_rows), "a row is free twice"
+        assert used | free == set(range(self.num_rows)), "rows leaked"
+        owned: list[int] = [b for s in self._rows.values() for b in s.blocks]
+        assert len(owned) == len(set(owned)), "a block is owned twice"
+        assert not set(owned) & set(self._free_blocks), "a block is both owned and free"
+        assert len(set(self._free_blocks)) == len(self._free_blocks), "a block is free twice"
+        if self.paged_layers:
+            assert 0 not in owned and 0 not in self._free_blocks, "the zero block escaped"
+            assert len(owned) + len(self._free_blocks) == self.num_blocks - 1, "blocks leaked"
+        accounted = sum(len(s.blocks) for s in self._rows.values()) * self.block_bytes
+        accounted += len(self._free_blocks) * self.block_bytes if self.paged_layers else 0
+        accounted += self.num_rows * self.ring_row_bytes
+        assert accounted == self.allocated_bytes(), "bytes accounted != bytes allocated"
+        for row, state in self._rows.items():
+            assert self.blocks_for(state.kv_len) <= len(state.blocks), "row longer than its blocks"
+            for slot, pos in enumerate(self.ring_pos[row].tolist()):
+                if pos >= 0:
+                    assert pos < state.kv_len, "ring slot holds a future position"
+                    assert ring_slot(pos, self.sink, self.window) == slot, "ring slot misplaced"
+        for row in free:
+            assert bool((self.ring_pos[row] == -1).all()), "a free row still maps positions"

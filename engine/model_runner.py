@@ -1,0 +1,45 @@
+"""ModelRunner: one batched forward per step over ragged rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import hf_adapter
+from engine.attention import ForwardChunk, StepAttention
+from engine.kv_rows import RowPool
+
+
+@dataclass(frozen=True)
+class RunnerInput:
+    chunk: ForwardChunk
+    token_ids: list[int]  # the chunk's new tokens
+    wants_logits: bool  # sample a token after the chunk's last position
+
+
+class ModelRunner:
+    def __init__(self, model, pool: RowPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        hf_adapter.use_row_attention(model)
+
+    def run(self, inputs: list[RunnerInput]) -> dict[int, torch.Tensor]:
+        """Runs the step; returns {index into `inputs`: logits [vocab] (float32)}."""
+        step = StepAttention(self.pool, [i.chunk for i in inputs])
+        by_chunk = {id(i.chunk): (n, i) for n, i in enumerate(inputs)}
+        ids: list[int] = []
+        logits_index, owners = [], []
+        for chunk in step.order:
+            n, inp = by_chunk[id(chunk)]
+            ids.extend(inp.token_ids)
+            if inp.wants_logits:
+                logits_index.append(len(ids) - 1)
+                owners.append(n)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T_total]
+        positions = step.positions.to(self.device)  # [T_total]
+        index = torch.tensor(logits_index, dtype=torch.long, device=self.device)  # [n]
+        logits = hf_adapter.forward(self.model, input_ids, positions, step, index)  # [n, V]
+        step.commit()
+        return {owner: logits[j] for j, owner in enumerate(owners)}

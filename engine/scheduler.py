@@ -1,0 +1,113 @@
+"""Scheduler: which rows run in the next step, and how many tokens each. No torch, no asyncio.
+
+Policy (continuous batching with chunked prefill):
+  1. every running request that is decoding gets one token (oldest first);
+  2. requests still prefilling continue, in admission order, with chunks that fit the token budget;
+  3. waiting requests are admitted in arrival order while the budget, the per-step row limit and
+     the KV capacity allow it (the capacity check and commit are the caller's: `KVCapacity`).
+Admission is FIFO: a request that does not fit blocks those behind it, so big requests are not
+starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class SchedRequest:
+    request_id: str
+    num_prompt_tokens: int  # tokens to prefill for this turn
+    num_computed: int = 0  # prompt tokens already scheduled
+    decoding: bool = False  # prefill done; each step feeds the last sampled token
+
+    @property
+    def num_remaining(self) -> int:
+        return self.num_prompt_tokens - self.num_computed
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    num_tokens: int  # tokens to feed this step
+    prefill_done: bool  # the last prompt token is in this chunk (always True for a decode)
+    decode: bool = False  # feeds the last sampled token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    admitted: list[str]  # request ids admitted this step (the caller already committed them)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class KVCapacity(Protocol):
+    def try_admit(self, request_id: str) -> bool:
+        """Reserve what the request needs (row, blocks) if available; False leaves all unchanged."""
+
+
+class Scheduler:
+    def __init__(self, token_budget: int, max_seqs: int, capacity: KVCapacity) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.capacity = capacity
+        self.waiting: deque[SchedRequest] = deque()
+        self.running: list[SchedRequest] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: SchedRequest) -> None:
+        self.waiting.append(req)
+
+    def remove(self, request_id: str) -> None:
+        self.running = [r for r in self.running if r.request_id != request_id]
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+
+    def is_waiting(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        budget, seqs = self.token_budget, self.max_seqs
+        chunks: list[ScheduledChunk] = []
+        for r in self.running:
+            if r.decoding and budget > 0 and seqs > 0:
+                chunks.append(ScheduledChunk(r.request_id, 1, True, decode=True))
+                budget, seqs = budget - 1, seqs - 1
+        for r in self.running:
+            if not r.decoding and budget > 0 and seqs > 0:
+                chunks.append(self._prefill(r, budget))
+                budget, seqs = budget - chunks[-1].num_tokens, seqs - 1
+        admitted = []
+        while self.waiting and budget > 0 and seqs > 0:
+            r = self.waiting[0]
+            if not self.capacity.try_admit(r.request_id):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            admitted.append(r.request_id)
+            chunks.append(self._prefill(r, budget))
+            budget, seqs = budget - chunks[-1].num_tokens, seqs - 1
+        return SchedulerOutput(chunks, admitted)
+
+    @staticmethod
+    def _prefill(r: SchedRequest, budget: int) -> ScheduledChunk:
+        n = min(r.num_remaining, budget)
+        r.num_computed += n
+        done = r.num_remaining == 0
+        if done:
+            r.decoding = True
+        return ScheduledChunk(r.request_id, n, done)

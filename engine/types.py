@@ -1,0 +1,77 @@
+"""Plain data shared by the engine's parts. No behaviour beyond validation."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; nothing was changed. `code` is a stable string."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or stop string
+    LENGTH = "length"  # max_tokens or the model's context reached
+    ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # this request failed; others carry on
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # same seed -> same tokens, alone or batched
+    stop: tuple[str, ...] = ()  # stop strings; never emitted
+    stop_token_ids: tuple[int, ...] = ()  # extra EOS-like ids
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise EngineError("max_tokens must be an integer >= 1", param="max_tokens")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise EngineError("temperature must be a finite number >= 0", param="temperature")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EngineError("top_k must be an integer >= 0", param="top_k")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
+            raise EngineError("top_p must be in (0, 1]", param="top_p")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise EngineError("stop strings must be non-empty strings", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]  # new input of this turn (appended to the session's history)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None  # None: a stateless request on a row of its own
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    text_delta: str  # newly printable text ("" when held back for UTF-8 or a stop string)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0  # tokens prefilled for this turn (excludes reused history)
+    num_cached_tokens: int = 0  # history tokens reused from the row
+    num_output_tokens: int = 0  # tokens generated so far
+    error: str | None = None  # set with FinishReason.ERROR

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    from engine.model_loader import embedded_dir as _embedded_dir
+
+    return _embedded_dir(progress=False)
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_dir):
+    """The embedded model (float32) with its tokenizer, loaded once for the whole run."""
+    from engine import EngineConfig
+    from engine.model_loader import load_model
+
+    return load_model(EngineConfig(model="embedded"))
+
+
+@pytest.fixture(scope="session")
+def embedded_reference(embedded_dir):
+    """A second copy of the embedded model on stock transformers attention (sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32, attn_implementation="sdpa")
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded):
+    return embedded.tokenizer

@@ -1,0 +1,89 @@
+"""Shared test helpers: driving an engine to completion, and the DESIGN.md section 1 oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import Engine, Request, SamplingParams
+from engine.model_loader import tiny_random_model
+
+
+def run_all(engine: Engine, requests: list[Request], arrivals: dict[str, int] | None = None,
+            aborts: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Runs requests to completion; `arrivals[rid]` = step at which rid is added (default 0)."""
+    arrivals = arrivals or {}
+    aborts = aborts or {}
+    pending = sorted(requests, key=lambda r: arrivals.get(r.request_id, 0))
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    step = 0
+    while pending or engine.has_work():
+        while pending and arrivals.get(pending[0].request_id, 0) <= step:
+            engine.add_request(pending.pop(0))
+        for rid, at in aborts.items():
+            if at == step:
+                engine.abort(rid)
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        step += 1
+        assert step < 100_000
+    return out
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, top_k=None, top_p=None)
+    return out[0, len(prompt):].tolist()
+
+
+def s5_mask(forward_starts: list[int], sink: int, window: int, native_window: int | None,
+            sliding: bool, bounded: bool) -> torch.Tensor:
+    """[T, T] bool: DESIGN.md section 1, written from the text, independent of the engine.
+
+    forward_starts[p] = first position of the forward that computed position p.
+    A query q in forward f sees k iff k <= q, (sliding) q - k < native_window, and, on a
+    bounded layer, (k in f, or k < sink, or k >= start(f) - window)."""
+    T = len(forward_starts)
+    m = torch.zeros(T, T, dtype=torch.bool)
+    for q in range(T):
+        f = forward_starts[q]
+        for k in range(q + 1):
+            if sliding and native_window is not None and q - k >= native_window:
+                continue
+            if bounded and not (forward_starts[k] == f or k < sink or k >= f - window):
+                continue
+            m[q, k] = True
+    return m
+
+
+@torch.inference_mode()
+def oracle_logits(model, tokens: list[int], forward_starts: list[int], policy: str, sink: int,
+                  window: int) -> torch.Tensor:
+    """Logits [T, V] of a full recompute of `tokens` (no cache) under the policy's mask."""
+    cfg = model.config
+    W = cfg.sliding_window
+    masks = {}
+    for kind in set(cfg.layer_types):
+        sliding = kind == "sliding_attention"
+        bounded = (policy == "s5" and sliding) or policy == "sink-window"
+        masks[kind] = s5_mask(forward_starts, sink, window, W, sliding, bounded)[None, None]
+    ids = torch.tensor([tokens])
+    out = model(input_ids=ids, position_ids=torch.arange(len(tokens))[None], attention_mask=masks,
+                use_cache=False)
+    return out.logits[0].float()
+
+
+def tiny_loaded(seed: int = 0, **overrides):
+    from engine.model_loader import LoadedModel
+
+    return LoadedModel(tiny_random_model(seed, **overrides), None, "tiny")
+
+
+def tiny_reference(seed: int = 0, **overrides):
+    m = tiny_random_model(seed, **overrides)
+    m.set_attn_implementation("sdpa")
+    return m
