@@ -106,11 +106,7 @@ class Worker:
         try:
             while not self._stopping:
                 self.last_beat = time.monotonic()
-                block = not engine.has_work()
-                try:
-                    self._drain(block)
-                except queue.Empty:
-                    continue
+                self._drain(block=not engine.has_work())
                 if self._stopping:
                     break
                 if engine.has_work():
@@ -129,7 +125,11 @@ class Worker:
                 )
 
     def _drain(self, block: bool) -> None:
-        cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        """Run every queued command; when idle, wait briefly for the first one."""
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
         while True:
             if cmd is None:
                 return

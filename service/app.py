@@ -1,0 +1,73 @@
+"""create_app(): the FastAPI application and its lifespan (load, warm up, serve, drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine import Engine, Request, SamplingParams
+from engine.model_loader import LoadedModel
+from engine.worker import Worker
+from service import errors
+from service.routes import ops, openai, sessions
+from service.settings import Settings
+
+log = logging.getLogger("s5serve")
+
+
+class AppState:
+    """What the routes share: the worker (the only path to the engine) and lifecycle flags."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.worker: Worker | None = None
+        self.model_name = settings.served_model_name or ""
+        self.tokenizer = None
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+
+
+def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None) -> FastAPI:
+    settings = settings or Settings()
+    state = AppState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_start(state, loaded))
+        try:
+            yield
+        finally:
+            state.draining = True
+            task.cancel()
+            if state.worker is not None:
+                await state.worker.stop()
+
+    app = FastAPI(title="s5serve", version="0.1.0", lifespan=lifespan)
+    app.state.s5 = state
+    errors.install(app)
+    app.include_router(ops.router)
+    app.include_router(openai.router)
+    app.include_router(sessions.router)
+    return app
+
+
+async def _start(state: AppState, loaded: LoadedModel | None) -> None:
+    try:
+        engine = await asyncio.to_thread(Engine, state.settings.engine, loaded)
+        state.tokenizer = engine.tokenizer
+        state.model_name = state.model_name or engine.model_name
+        worker = Worker(engine)
+        await worker.start()
+        state.worker = worker
+        stream = await worker.generate(Request("warmup", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
+        async for _ in stream:
+            pass
+        state.ready = True
+        log.info("s5serve ready: model %s, kv policy %s", state.model_name, state.settings.engine.kv_policy)
+    except Exception as exc:  # readiness stays 503 and says why
+        log.exception("startup failed")
+        state.load_error = str(exc)

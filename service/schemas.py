@@ -1,0 +1,73 @@
+"""Request bodies. Unknown fields are accepted (and ignored), as OpenAI clients send many."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NUM = dict(allow_inf_nan=False)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, **_NUM)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, **_NUM)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+    session_id: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 8 or any(not s for s in items):
+            raise ValueError("stop must be up to 8 non-empty strings")
+        return items
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            if any(p.type != "text" for p in self.content):
+                raise ValueError("only text content parts are supported")
+            return "".join(p.text or "" for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class SessionGenerateRequest(_Body):
+    input: str | list[int] | None = None  # text or token ids appended as-is
+    messages: list[Message] | None = None  # chat turns appended in the chat format
+    stream: bool = True

@@ -1,0 +1,50 @@
+"""Settings: every flag and S5_* environment variable, read in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from engine.config import KV_POLICIES, EngineConfig
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued: int = 256  # requests waiting or running before 429
+    served_model_name: str | None = None
+
+
+def _env(name: str, default, cast=str):
+    raw = os.environ.get(f"S5_{name}")
+    return default if raw is None else cast(raw)
+
+
+def parse_serve_args(argv: list[str] | None = None) -> Settings:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(prog="s5serve serve", description="Serve a model over HTTP (SSE).")
+    p.add_argument("--model", default=_env("MODEL", d.model))
+    p.add_argument("--device", default=_env("DEVICE", d.device))
+    p.add_argument("--dtype", default=_env("DTYPE", d.dtype))
+    p.add_argument("--kv-policy", default=_env("KV_POLICY", d.kv_policy), choices=KV_POLICIES)
+    p.add_argument("--sink", type=int, default=_env("SINK", d.kv_sink, int))
+    p.add_argument("--window", type=int, default=_env("WINDOW", d.kv_window, int))
+    p.add_argument("--rows", type=int, default=_env("ROWS", d.max_rows, int))
+    p.add_argument("--kv-cache-bytes", type=int, default=_env("KV_CACHE_BYTES", d.kv_cache_bytes, int))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_BATCHED_TOKENS", d.max_num_batched_tokens, int))
+    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
+    p.add_argument("--quantization", default=_env("QUANTIZATION", None), choices=[None, "bnb-4bit"])
+    p.add_argument("--queue-size", type=int, default=_env("QUEUE_SIZE", 256, int))
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    a = p.parse_args(argv)
+    engine = EngineConfig(
+        model=a.model, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy, kv_sink=a.sink,
+        kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        quantization=a.quantization,
+    )
+    return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size)

@@ -1,0 +1,86 @@
+"""Bad input raises a clear EngineError and changes nothing; sessions roll back on abort."""
+
+import math
+
+import pytest
+
+from engine import Engine, EngineConfig, EngineError, Request, SamplingParams
+from tests.helpers import greedy, run_all, tiny_loaded
+
+
+@pytest.fixture
+def engine():
+    cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, max_rows=4,
+                       kv_cache_bytes=1 << 22, max_model_len=256)
+    return Engine(cfg, tiny_loaded(0))
+
+
+BAD = [
+    ("empty prompt", dict(prompt=[]), "invalid_request"),
+    ("token out of vocab", dict(prompt=[5, 99999]), "invalid_request"),
+    ("negative token", dict(prompt=[-1]), "invalid_request"),
+    ("over context", dict(prompt=[5] * 256), "context_length_exceeded"),
+    ("max_tokens 0", dict(params=SamplingParams(max_tokens=0)), "invalid_request"),
+    ("temperature < 0", dict(params=SamplingParams(temperature=-0.5)), "invalid_request"),
+    ("temperature NaN", dict(params=SamplingParams(temperature=math.nan)), "invalid_request"),
+    ("top_p 0", dict(params=SamplingParams(top_p=0.0)), "invalid_request"),
+    ("top_p > 1", dict(params=SamplingParams(top_p=1.5)), "invalid_request"),
+    ("unknown session", dict(session_id="nope"), "session_not_found"),
+    ("stop without tokenizer", dict(params=SamplingParams(stop=("x",))), "invalid_request"),
+]
+
+
+@pytest.mark.parametrize("name,kw,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_and_changes_nothing(engine, name, kw, code):
+    before = (engine.pool.num_free_rows, engine.pool.num_free_blocks, engine.has_work())
+    req = Request("r", kw.get("prompt", [5, 6, 7]), kw.get("params", greedy(4)), kw.get("session_id"))
+    with pytest.raises(EngineError) as err:
+        engine.add_request(req)
+    assert err.value.code == code
+    assert (engine.pool.num_free_rows, engine.pool.num_free_blocks, engine.has_work()) == before
+    engine.check_invariants()
+    assert run_all(engine, [Request("ok", [5, 6, 7], greedy(3))])["ok"]  # still serving
+
+
+def test_second_concurrent_turn_is_refused(engine):
+    sid = engine.create_session()
+    engine.add_request(Request("t1", [5, 6, 7], greedy(5), sid))
+    with pytest.raises(EngineError) as err:
+        engine.add_request(Request("t2", [8], greedy(5), sid))
+    assert err.value.code == "session_busy"
+    while engine.has_work():
+        engine.step()
+    assert len(engine.session_tokens(sid)) == 3 + 5
+
+
+def test_turns_never_reprefill_history_and_abort_rolls_back(engine):
+    sid = engine.create_session()
+    run_all(engine, [Request("t1", list(range(10, 40)), greedy(6), sid)])
+    assert engine.stats["prefill_tokens"] == 30
+    state = (engine.session_tokens(sid), engine.session_info(sid)["kv_tokens"])
+    # a turn cancelled mid-decode (past the ring window) leaves the session as it was
+    out = run_all(engine, [Request("t2", [50, 51, 52], greedy(20), sid)], aborts={"t2": 9})
+    assert 0 < len(out["t2"]) < 20
+    assert (engine.session_tokens(sid), engine.session_info(sid)["kv_tokens"]) == state
+    engine.check_invariants()
+    before = engine.stats["prefill_tokens"]
+    third = run_all(engine, [Request("t3", [60, 61], greedy(6), sid)])["t3"]
+    # only the uncomputed last token of turn 1 and the 2 new ones are prefilled
+    assert engine.stats["prefill_tokens"] - before == 1 + 2
+    # the same third turn on a session that never saw the cancelled one gives the same tokens
+    twin = Engine(engine.config, tiny_loaded(0))
+    sid2 = twin.create_session()
+    run_all(twin, [Request("t1", list(range(10, 40)), greedy(6), sid2)])
+    assert run_all(twin, [Request("t3", [60, 61], greedy(6), sid2)])["t3"] == third
+
+
+def test_close_and_evict(engine):
+    sid = engine.create_session()
+    run_all(engine, [Request("t1", [5, 6, 7, 8], greedy(3), sid)])
+    assert engine.release_row(sid)
+    assert engine.session_info(sid)["state"] == "offloaded"
+    out = run_all(engine, [Request("t2", [9], greedy(3), sid)])["t2"]
+    assert len(out) == 3 and engine.session_info(sid)["kv_tokens"] == 4 + 3 + 1 + 2
+    assert engine.close_session(sid) and not engine.close_session(sid)
+    engine.check_invariants()
+    assert engine.pool.num_free_rows == 4

@@ -1,0 +1,69 @@
+"""Sampling (seeds, top-k, top-p), incremental detokenization, stop strings."""
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import LoadedModel
+from engine.sampler import make_generator, sample
+from tests.helpers import run_all, tiny_loaded
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])
+    seen_k = {sample(logits, SamplingParams(temperature=1.0, top_k=2), make_generator(s)) for s in range(200)}
+    assert seen_k == {0, 1}
+    probs = torch.softmax(logits, -1)  # p0 ~ 0.66, p0 + p1 ~ 0.90
+    seen_p = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), make_generator(s)) for s in range(300)}
+    assert seen_p == {0, 1} and probs[0] < 0.8
+    assert sample(logits, SamplingParams(), make_generator(0)) == 0
+    with pytest.raises(ValueError):
+        sample(torch.tensor([float("nan"), 1.0]), SamplingParams(), make_generator(0))
+
+
+def test_same_seed_same_tokens_alone_or_batched():
+    cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, kv_cache_bytes=1 << 22)
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    a = run_all(Engine(cfg, tiny_loaded(0)), [Request("a", [5, 6, 7], p)])["a"]
+    others = [Request(f"o{i}", [9, i + 10, 11], SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True))
+              for i in range(5)]
+    b = run_all(Engine(cfg, tiny_loaded(0)), [Request("a", [5, 6, 7], p), *others], {"a": 2})["a"]
+    c = run_all(Engine(cfg, tiny_loaded(0)), [Request("a", [5, 6, 7], SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.9, seed=43, ignore_eos=True))])["a"]
+    assert a == b and a != c
+
+
+def test_detokenizer_utf8_and_stop_strings(tokenizer):
+    text = "Grüße aus 東京 🚀 and then STOP here"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tokenizer)
+    deltas = [d.add(t)[0] for t in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)
+    d = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    out, stopped = "", False
+    for t in ids:
+        delta, stopped = d.add(t)
+        out += delta
+        if stopped:
+            break
+    assert stopped and out == "Grüße aus 東京 🚀 and then " and "STOP" not in out
+
+
+@pytest.mark.slow
+def test_engine_stop_string_and_eos(embedded):
+    engine = Engine(EngineConfig(model="embedded"), LoadedModel(embedded.model, embedded.tokenizer, "e"))
+    ids = embedded.tokenizer("Count: one, two, three, four,")["input_ids"]
+    texts = {}
+    for rid, params in [("free", SamplingParams(max_tokens=12)), ("stop", SamplingParams(max_tokens=12, stop=(" six",)))]:
+        engine.add_request(Request(rid, ids, params))
+        text, last = "", None
+        while engine.has_work():
+            for o in engine.step():
+                text += o.text_delta
+                last = o
+        texts[rid] = (text, last.finish_reason)
+    free, _ = texts["free"]
+    assert " six" in free, free
+    assert texts["stop"] == (free[: free.index(" six")], FinishReason.STOP)
