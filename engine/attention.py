@@ -36,7 +36,9 @@ class ForwardChunk:
 
 @dataclass
 class _Group:
-    token_index: torch.Tensor  # [B, T] indices into the packed sequence
+    lo: int  # the group's tokens are packed[lo:hi], row-major: B rows of T tokens
+    hi: int
+    batch: int  # B
     gather: dict[bool, torch.Tensor]  # paged? -> [B, L_res] storage slots
     staged_rows: list[int | None]  # B == 1 groups: row whose staging joins the keys
     masks: dict[tuple[bool, int | None], torch.Tensor]  # (paged, attn_window) -> [B, 1, T, L]
@@ -71,10 +73,13 @@ class StepAttention:
 
     # ---- index building (host, once per step) -------------------------------------------------
     def _resident(self, c: ForwardChunk, paged: bool) -> tuple[list[int], list[int]]:
-        """Storage slots and positions of the keys a chunk's row holds before this step."""
+        """Storage slots and positions of a chunk's keys read from storage. Paged layers store
+        the step's new tokens first, so their keys are one gather of positions [0, end); ring
+        layers read what the row held before the step (the new tokens are appended)."""
         pool = self.pool
         if paged:
-            return pool.paged_slots(c.row, 0, c.start), list(range(c.start))
+            end = c.start + c.num_tokens
+            return pool.paged_slots(c.row, 0, end), list(range(end))
         base = pool.ring_base(c.row)
         pos = pool.ring_pos[c.row].tolist()
         return [base + j for j in range(pool.ring_slots)], pos
@@ -82,10 +87,6 @@ class StepAttention:
     def _group(self, chunks, offsets, classes, dev) -> _Group:
         pool = self.pool
         tmax = max(c.num_tokens for c in chunks)
-        token_index = torch.tensor(
-            [[off + min(t, c.num_tokens - 1) for t in range(tmax)] for c, off in zip(chunks, offsets)],
-            dtype=torch.long,
-        )
         q_pos = torch.tensor([[c.start + t for t in range(tmax)] for c in chunks], dtype=torch.long)
         gather, key_pos = {}, {}
         staged_rows: list[int | None] = []
@@ -104,7 +105,8 @@ class StepAttention:
             if not paged and len(chunks) == 1 and staged_rows[0] is not None:
                 c = chunks[0]
                 extra.append(torch.arange(c.forward_start, c.start).unsqueeze(0))
-            extra.append(q_pos)
+            if not paged:
+                extra.append(q_pos)
             gather[paged] = slots.to(dev)
             key_pos[paged] = torch.cat([pos, *extra], dim=1)  # [B, L]
         fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None]
@@ -117,8 +119,10 @@ class StepAttention:
                 m &= (q - k) < attn_window
             if not paged:
                 m &= (k >= fstart) | (k < pool.sink) | (k >= fstart - pool.window)
-            masks[(paged, attn_window)] = m[:, None].to(dev)  # [B, 1, T, L]
-        return _Group(token_index.to(dev), gather, staged_rows, masks)
+            # [B, 1, T, L]; None when every key is visible (SDPA then takes its unmasked path)
+            masks[(paged, attn_window)] = None if bool(m.all()) else m[:, None].to(dev)
+        lo = offsets[0]
+        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks)
 
     def _build_writes(self, offsets, dev) -> None:
         pool = self.pool
@@ -172,35 +176,44 @@ class StepAttention:
         k_new = key[0].transpose(0, 1)  # [T_total, Hkv, D]
         v_new = value[0].transpose(0, 1)
         q_all = query[0]  # [H, T_total, D]
+        if lay.paged:
+            self._store_paged(layer, k_new, v_new)
         outs = []
         for g in self.groups:
             slots = g.gather[lay.paged]
-            keys = [store_k[slots]]  # [B, L_res, Hkv, D]
-            vals = [store_v[slots]]
-            row = g.staged_rows[0] if not lay.paged else None
-            if row is not None:
-                st = pool.row(row).staging
-                keys.append(st.k[layer].unsqueeze(0))
-                vals.append(st.v[layer].unsqueeze(0))
-            keys.append(k_new[g.token_index])  # [B, T, Hkv, D]
-            vals.append(v_new[g.token_index])
-            k = torch.cat(keys, dim=1).transpose(1, 2)  # [B, Hkv, L, D]
-            v = torch.cat(vals, dim=1).transpose(1, 2)
-            q = q_all[:, g.token_index].transpose(0, 1)  # [B, H, T, D]
+            if lay.paged:
+                k = store_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
+                v = store_v[slots].transpose(1, 2)
+            else:
+                keys = [store_k[slots]]  # [B, L_res, Hkv, D]
+                vals = [store_v[slots]]
+                row = g.staged_rows[0]
+                if row is not None:
+                    st = pool.row(row).staging
+                    keys.append(st.k[layer].unsqueeze(0))
+                    vals.append(st.v[layer].unsqueeze(0))
+                # a group's tokens are contiguous in the packed sequence: views, no gathers
+                keys.append(k_new[g.lo : g.hi].unflatten(0, (g.batch, -1)))  # [B, T, Hkv, D]
+                vals.append(v_new[g.lo : g.hi].unflatten(0, (g.batch, -1)))
+                k = torch.cat(keys, dim=1).transpose(1, 2)  # [B, Hkv, L, D]
+                v = torch.cat(vals, dim=1).transpose(1, 2)
+            q = q_all[:, g.lo : g.hi].unflatten(1, (g.batch, -1)).transpose(0, 1)  # [B, H, T, D]
             mask = g.masks[(lay.paged, lay.attn_window)]
             o = _sdpa(q, k, v, mask, scaling, softcap)  # [B, H, T, D]
             outs.append(o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T_total, H, D]
-        self._store(layer, k_new, v_new)
+        if not lay.paged:
+            self._store_ring(layer, k_new, v_new)
         return out.unsqueeze(0)
 
-    def _store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def _store_paged(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        slots, src = self.paged_write
+        self.pool.k[layer][slots] = k_new[src]
+        self.pool.v[layer][slots] = v_new[src]
+
+    def _store_ring(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """After the layer's attention: survivors into ring slots, or staging for later chunks."""
         pool = self.pool
-        if pool.layouts[layer].paged:
-            slots, src = self.paged_write
-            pool.k[layer][slots] = k_new[src]
-            pool.v[layer][slots] = v_new[src]
-            return
         for row, slots, idx in self.unstage:
             st = pool.row(row).staging
             sl = torch.tensor(slots, dtype=torch.long, device=pool.device)
@@ -227,5 +240,6 @@ def _sdpa(q, k, v, mask, scaling, softcap):
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +95,9 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.pool)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, self)
         self.sessions: dict[str, _Session] = {}
+        # sessions closed by the engine (LRU when rows ran out, or idle TTL): id -> reason.
+        # Bounded; a later lookup of such an id raises `session_evicted`.
+        self.evicted: OrderedDict[str, str] = OrderedDict()
         self._live: dict[str, _Live] = {}
         self._seeds = itertools.count(config.seed * 1_000_003)
         # Observer of every sampled distribution: (request_id, position of the last fed token,
@@ -104,7 +108,7 @@ class Engine:
     # ---- sessions -----------------------------------------------------------------------------
     def create_session(self, session_id: str | None = None) -> str:
         sid = session_id or uuid.uuid4().hex  # 128 random bits
-        if sid in self.sessions:
+        if sid in self.sessions or sid in self.evicted:
             raise EngineError(f"session {sid} exists", code="session_exists")
         self.sessions[sid] = _Session(sid)
         return sid
@@ -132,14 +136,13 @@ class Engine:
         s.tokens = []
 
     def release_row(self, session_id: str) -> bool:
-        """Evict an idle session's row; its history stays, and its next turn re-prefills it."""
+        """Drop an idle session's row but keep its history; its next turn re-prefills it."""
         s = self._session(session_id)
         if s.busy is not None or s.row is None:
             return False
         self.pool.free_row(s.row)
         s.row = None
         s.num_evictions += 1
-        self.stats["evictions"] += 1
         return True
 
     def session_tokens(self, session_id: str) -> list[int]:
@@ -162,6 +165,9 @@ class Engine:
 
     def _session(self, session_id: str) -> _Session:
         s = self.sessions.get(session_id)
+        if s is None and session_id in self.evicted:
+            raise EngineError(f"session {session_id} was evicted ({self.evicted[session_id]})",
+                              code="session_evicted", param="session_id")
         if s is None:
             raise EngineError(f"session {session_id} not found", code="session_not_found", param="session_id")
         return s
@@ -241,10 +247,27 @@ class Engine:
         return True
 
     def _evict_idle_row(self) -> bool:
+        """Rows ran out: close the least recently used idle session that holds one."""
         idle = [s for s in self.sessions.values() if s.row is not None and s.busy is None]
         if not idle:
             return False
-        return self.release_row(min(idle, key=lambda s: s.last_used).session_id)
+        self.evict_session(min(idle, key=lambda s: s.last_used).session_id, "lru")
+        return True
+
+    def evict_session(self, session_id: str, reason: str) -> None:
+        self.close_session(session_id)
+        self.evicted[session_id] = reason
+        while len(self.evicted) > 100_000:
+            self.evicted.popitem(last=False)
+        self.stats["evictions"] += 1
+
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        """Evict sessions idle for longer than `ttl_seconds`; returns their ids."""
+        now = time.monotonic()
+        old = [s.session_id for s in self.sessions.values() if s.busy is None and now - s.last_used > ttl_seconds]
+        for sid in old:
+            self.evict_session(sid, "ttl")
+        return old
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now (between steps); rolls its session back. None if unknown."""

@@ -10,8 +10,9 @@ model's ordinary forward with:
     mask (our attention applies the restored-S5 mask itself),
   * `use_cache=False`: K/V live in the engine's RowPool, which the attention reads and writes,
   * `s5_step`: the step's StepAttention, which transformers passes through to attention functions,
-  * `logits_to_keep`: the packed indices whose logits are sampled (the output layer runs on those
-    rows only).
+  * the output layer applied by us to the sampled positions only (the base model returns hidden
+    states): with several rows, `W @ h.T` runs ~1.6x faster than `h @ W.T` for the 262k-vocabulary
+    Gemma head on a 2-core CPU (measured), and the results agree to float rounding.
 """
 
 from __future__ import annotations
@@ -83,12 +84,26 @@ def forward(
 ) -> torch.Tensor:
     """Logits [n, vocab] (float32) of the tokens at `logits_index`."""
     kinds = set(geometry(model).layer_types)
-    out = model(
+    base = model.get_decoder()
+    out = base(
         input_ids=input_ids.unsqueeze(0),
         position_ids=positions.unsqueeze(0),
         attention_mask={kind: None for kind in kinds},
         use_cache=False,
-        logits_to_keep=logits_index,
         s5_step=step,
     )
-    return out.logits[0].float()
+    hidden = out.last_hidden_state[0, logits_index]  # [n, hidden]
+    return output_logits(model, hidden)
+
+
+def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output layer (and final soft-capping, if any) on hidden states [n, hidden]."""
+    head = model.get_output_embeddings()
+    if hidden.shape[0] > 1 and head.bias is None and head.weight.dtype == hidden.dtype and hidden.device.type == "cpu":
+        logits = torch.mm(head.weight, hidden.T).T  # [n, vocab]
+    else:
+        logits = head(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.types import SamplingParams
@@ -16,10 +18,11 @@ def make_generator(seed: int) -> torch.Generator:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from `logits` [vocab]. Raises ValueError on non-finite logits."""
     logits = logits.float().cpu()
-    if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
-        raise ValueError("non-finite logits")
     if params.greedy:
-        return int(torch.argmax(logits))
+        best = int(torch.argmax(logits))  # a NaN anywhere wins argmax, so one check suffices
+        if not math.isfinite(float(logits[best])):
+            raise ValueError("non-finite logits")
+        return best
     x = logits / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -32,4 +35,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("non-finite logits")
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -12,20 +12,27 @@ from engine import Engine, Request, SamplingParams
 from engine.model_loader import LoadedModel
 from engine.worker import Worker
 from service import errors
+from service.metrics import Metrics
 from service.routes import ops, openai, sessions
+from service.sessions import SessionStore
 from service.settings import Settings
 
 log = logging.getLogger("s5serve")
 
 
 class AppState:
-    """What the routes share: the worker (the only path to the engine) and lifecycle flags."""
+    """What the routes share: the worker (the only path to the engine), tenants' sessions,
+    requests in flight, metrics and lifecycle flags."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.worker: Worker | None = None
         self.model_name = settings.served_model_name or ""
         self.tokenizer = None
+        self.max_model_len = 0
+        self.metrics = Metrics()
+        self.sessions = SessionStore()
+        self.active: dict[str, str | None] = {}  # request id -> tenant, while it streams
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -37,18 +44,20 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(_start(state, loaded))
+        tasks = [asyncio.create_task(_start(state, loaded)), asyncio.create_task(_expire(state))]
         try:
             yield
         finally:
             state.draining = True
-            task.cancel()
+            for t in tasks:
+                t.cancel()
             if state.worker is not None:
                 await state.worker.stop()
 
     app = FastAPI(title="s5serve", version="0.1.0", lifespan=lifespan)
     app.state.s5 = state
     errors.install(app)
+    app.add_middleware(errors.BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(sessions.router)
@@ -59,8 +68,9 @@ async def _start(state: AppState, loaded: LoadedModel | None) -> None:
     try:
         engine = await asyncio.to_thread(Engine, state.settings.engine, loaded)
         state.tokenizer = engine.tokenizer
+        state.max_model_len = engine.max_model_len
         state.model_name = state.model_name or engine.model_name
-        worker = Worker(engine)
+        worker = Worker(engine, on_step=state.metrics.on_step)
         await worker.start()
         state.worker = worker
         stream = await worker.generate(Request("warmup", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -71,3 +81,15 @@ async def _start(state: AppState, loaded: LoadedModel | None) -> None:
     except Exception as exc:  # readiness stays 503 and says why
         log.exception("startup failed")
         state.load_error = str(exc)
+
+
+async def _expire(state: AppState) -> None:
+    """Evict sessions idle for longer than the TTL."""
+    period = min(5.0, max(0.05, state.settings.session_ttl_s / 4))
+    while True:
+        await asyncio.sleep(period)
+        if state.worker is None or not state.worker.alive:
+            continue
+        gone = await state.worker.call(state.worker.engine.expire_idle, state.settings.session_ttl_s)
+        if gone:
+            state.metrics.evictions.labels("ttl").inc(len(gone))

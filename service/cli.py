@@ -1,29 +1,110 @@
-"""`s5serve serve`: run the HTTP server."""
+"""`s5serve serve | chat | bench`."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+import threading
+import time
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve",):
-        print("usage: s5serve serve [--model embedded] [--port 8000] ...  (s5serve serve --help)")
-        return 2
+def _serve(argv: list[str]) -> int:
     import uvicorn
 
     from service.app import create_app
     from service.settings import parse_serve_args
 
-    settings = parse_serve_args(argv[1:])
+    settings = parse_serve_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.engine.model == "embedded":
         from engine.model_loader import embedded_dir
 
-        embedded_dir(settings.engine.cache_dir)  # convert before serving (shows progress)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        print("preparing the embedded model (converted once, then cached)...", flush=True)
+        embedded_dir(settings.engine.cache_dir)  # transformers shows a progress bar while converting
+    app = create_app(settings)
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           timeout_graceful_shutdown=int(settings.drain_grace_s) + 5),
+                            app.state.s5)
+    server.run()
+    return 1 if app.state.s5.worker is not None and app.state.s5.worker.error is not None else 0
+
+
+def _drain_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT: readiness turns 503 and new work is refused at once; streams in flight
+        get the grace period to finish; then uvicorn shuts down."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig, frame):
+            if self.state.draining:  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            self.state.draining = True
+            grace = self.state.settings.drain_grace_s
+
+            def wait_then_exit():
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and self.state.active:
+                    time.sleep(0.1)
+                super(DrainingServer, self).handle_exit(sig, frame)
+
+            threading.Thread(target=wait_then_exit, daemon=True).start()
+
+    return DrainingServer
+
+
+def DrainingServer(config, state):  # noqa: N802 - a factory that keeps uvicorn imports lazy
+    return _drain_server_class()(config, state)
+
+
+def _chat(argv: list[str]) -> int:
+    from service.client import Client, S5Error
+
+    p = argparse.ArgumentParser(prog="s5serve chat", description="Chat in the terminal over a session.")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    a = p.parse_args(argv)
+    with Client(a.url, a.api_key) as client, client.create_session() as session:
+        print(f"session {session.id} (Ctrl-D to quit)")
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            try:
+                for text in session.generate(messages=[{"role": "user", "content": line}],
+                                             max_tokens=a.max_tokens, temperature=a.temperature):
+                    print(text, end="", flush=True)
+            except S5Error as err:
+                print(f"\n[error] {err}")
+            except KeyboardInterrupt:
+                print("\n[cancelled]")
+            print()
+
+
+def _bench(argv: list[str]) -> int:
+    from bench import throughput
+
+    sys.argv = ["s5serve bench", *argv]
+    throughput.main()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": _serve, "chat": _chat, "bench": _bench}
+    if not argv or argv[0] not in commands:
+        print("usage: s5serve {serve,chat,bench} [options]   (s5serve serve --help)")
+        return 2
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -13,11 +13,13 @@ from engine.types import EngineError
 STATUS = {
     "session_not_found": 404,
     "session_busy": 409,
+    "session_evicted": 410,
     "duplicate_request_id": 409,
     "queue_full": 429,
     "engine_unavailable": 503,
 }
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable"}
 
 
@@ -56,3 +58,41 @@ def install(app) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(envelope(exc.status_code, str(exc.detail), code), exc.status_code)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send):
+        body = JSONResponse(envelope(413, f"request body over {self.max_bytes} bytes", "body_too_large"), 413)
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+
+class _TooLarge(Exception):
+    pass

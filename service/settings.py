@@ -16,6 +16,10 @@ class Settings:
     port: int = 8000
     max_queued: int = 256  # requests waiting or running before 429
     served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+    session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    drain_grace_s: float = 30.0  # SIGTERM: in-flight streams get this long to finish
 
 
 def _env(name: str, default, cast=str):
@@ -38,6 +42,11 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
     p.add_argument("--quantization", default=_env("QUANTIZATION", None), choices=[None, "bnb-4bit"])
     p.add_argument("--queue-size", type=int, default=_env("QUEUE_SIZE", 256, int))
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted API key (repeatable); S5_API_KEYS takes a comma-separated list")
+    p.add_argument("--session-ttl", type=float, default=_env("SESSION_TTL", 3600.0, float))
+    p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 4 << 20, int))
+    p.add_argument("--drain-grace", type=float, default=_env("DRAIN_GRACE", 30.0, float))
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     a = p.parse_args(argv)
@@ -47,4 +56,7 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         quantization=a.quantization,
     )
-    return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size)
+    keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
+    return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,
+                    api_keys=tuple(k.strip() for k in keys), session_ttl_s=a.session_ttl,
+                    max_body_bytes=a.max_body_bytes, drain_grace_s=a.drain_grace)

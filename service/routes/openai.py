@@ -6,49 +6,65 @@ import json
 import time
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from engine import FinishReason
+from service.auth import tenant
 from service.errors import APIError
 from service.schemas import ChatCompletionRequest, CompletionRequest
-from service.turns import check_model, sampling_params, start_turn
+from service.turns import check_model, collect, require_ready, sampling_params, start_turn, valid_text
 
 router = APIRouter(prefix="/v1")
 
 
 @router.get("/models")
-async def models(request: Request):
+async def models(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
-    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "s5serve"}]}
+    require_ready(st)
+    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "s5serve",
+            "max_model_len": st.max_model_len}
+    return {"object": "list", "data": [card]}
 
 
 def _session_id(request: Request, body) -> str | None:
-    return body.session_id or request.headers.get("x-session-id")
+    return body.session_id or request.headers.get("x-session-id") or None
+
+
+def end_of_turn_ids(tok) -> tuple[int, ...]:
+    if tok is None:
+        return ()
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    return (eot,) if isinstance(eot, int) and eot != tok.unk_token_id else ()
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
+    require_ready(st)
     check_model(st, body.model)
     tok = st.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
     try:
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-    except Exception as exc:
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": valid_text(m.text(), "messages")}
+                for m in body.messages]
+    except ValueError as exc:
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
-    eot = tok.convert_tokens_to_ids("<end_of_turn>")
-    stops = (eot,) if isinstance(eot, int) and eot != tok.unk_token_id else ()
-    turn = await start_turn(st, ids, sampling_params(body, stops), _session_id(request, body), match_prefix=True)
-    return await _respond(body, turn, chat=True, model=st.model_name)
+    try:
+        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    except Exception as exc:  # template errors are the caller's (e.g. roles out of order)
+        raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
+    params = sampling_params(body, end_of_turn_ids(tok))
+    turn = await start_turn(st, ids, params, _session_id(request, body), owner, match_prefix=True)
+    return await _respond(body, turn, request, chat=True, model=st.model_name)
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
+    require_ready(st)
     check_model(st, body.model)
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
@@ -58,19 +74,21 @@ async def completions(body: CompletionRequest, request: Request):
     if isinstance(p, str):
         if st.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "prompt")
-        ids = st.tokenizer(p)["input_ids"]
+        ids = st.tokenizer(valid_text(p, "prompt"))["input_ids"]
     else:
         ids = list(p)
-    turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), match_prefix=True)
-    return await _respond(body, turn, chat=False, model=st.model_name)
+    turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
+    return await _respond(body, turn, request, chat=False, model=st.model_name)
 
 
-def _usage(turn, completion_tokens: int) -> dict:
+def _usage(turn, last) -> dict:
+    n = last.num_output_tokens if last is not None else 0
+    cached = last.num_cached_tokens if last is not None else 0  # positions reused from the row
     return {
         "prompt_tokens": turn.num_prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": turn.num_prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": turn.num_cached_tokens},
+        "completion_tokens": n,
+        "total_tokens": turn.num_prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -78,51 +96,49 @@ def _finish(reason: FinishReason | None) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
-async def _respond(body, turn, chat: bool, model: str):
+async def _respond(body, turn, request: Request, chat: bool, model: str):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
     headers = {"X-Request-Id": turn.request_id}
 
     if not body.stream:
-        text, last, n = "", None, 0
-        async for out in turn.stream:
-            text += out.text_delta
-            n, last = out.num_output_tokens, out
-        if last is not None and last.finish_reason == FinishReason.ERROR:
-            raise APIError(500, last.error or "generation failed", "generation_failed")
+        text, _, last = await collect(turn, request)
         choice = {"index": 0, "finish_reason": _finish(last.finish_reason if last else None), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                             "choices": [choice], "usage": _usage(turn, n)}, headers=headers)
+                             "choices": [choice], "usage": _usage(turn, last)}, headers=headers)
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
 
     def chunk(delta_text: str | None, finish: str | None, first: bool) -> str:
         if chat:
-            delta = {"role": "assistant", "content": delta_text or ""} if first else (
-                {"content": delta_text} if delta_text else {})
+            if first:
+                delta = {"role": "assistant", "content": delta_text or ""}
+            else:
+                delta = {"content": delta_text} if delta_text else {}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-        return json.dumps({"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [choice]})
+        return json.dumps({**head, "choices": [choice]})
 
     async def events():
-        first, n = True, 0
+        first, last = True, None
         async for out in turn.stream:
-            n = out.num_output_tokens
+            last = out
             if out.finish_reason == FinishReason.ERROR:
-                yield json.dumps({"error": {"message": out.error, "type": "server_error", "param": None,
-                                            "code": "generation_failed"}})
+                err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
+                yield json.dumps({"error": err})
                 break
-            if out.text_delta or (first and not out.finished):
+            if out.text_delta or (first and out.new_token_ids):
                 yield chunk(out.text_delta, None, first)
                 first = False
             if out.finished:
-                yield chunk(None, _finish(out.finish_reason), False)
-        if body.include_usage:
-            yield json.dumps({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                              "choices": [], "usage": _usage(turn, n)})
+                yield chunk(None, _finish(out.finish_reason), first)
+        else:
+            if body.include_usage:
+                yield json.dumps({**head, "choices": [], "usage": _usage(turn, last)})
         yield "[DONE]"
 
     return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600)

@@ -1,9 +1,11 @@
-"""Liveness and readiness."""
+"""Operations: liveness, readiness, metrics, cancel by request id."""
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.errors import envelope
+from service.auth import tenant
+from service.errors import APIError, envelope
 
 router = APIRouter()
 
@@ -23,3 +25,17 @@ async def ready(request: Request):
         return {"status": "ready", "model": st.model_name}
     why = st.load_error or ("draining" if st.draining else "loading")
     return JSONResponse(envelope(503, why, "not_ready"), 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request, owner: str | None = Depends(tenant)):
+    return Response(request.app.state.s5.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/requests/{request_id}/cancel")
+async def cancel(request_id: str, request: Request, owner: str | None = Depends(tenant)):
+    st = request.app.state.s5
+    if request_id not in st.active or st.active[request_id] != owner:
+        raise APIError(404, f"request {request_id} not found", "request_not_found", "request_id")
+    st.worker.abort(request_id)
+    return {"id": request_id, "object": "request.cancelled", "cancelled": True}

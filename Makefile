@@ -1,0 +1,26 @@
+# Two commands on a fresh clone: `make serve` and `make test`. Each installs what it needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first and pinned to a CPU-capable release, so nothing resolves a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/s5serve serve --model embedded --host 0.0.0.0 --port 8000
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m bench.throughput
+
+.PHONY: install serve test bench

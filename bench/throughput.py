@@ -1,0 +1,161 @@
+"""decode-1238 throughput: the engine (s5, native) vs HF transformers generate, same prompts.
+
+N concurrent requests, each a distinct ~1,238-token prompt, 128 greedy tokens, EOS ignored.
+Aggregate decode tok/s = tokens generated while all N rows decode / that time (from the last
+row's first token to the last token); TTFT is reported separately. Prints a table with ratios to HF generate
+(batched, same model, same prompts, measured in this run) and writes JSON to bench/results/.
+
+    python -m bench.throughput                       # CPU, embedded model, N = 1 2 4 8
+    python -m bench.throughput --n 1 8 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from engine import Engine, EngineConfig, Request, SamplingParams
+from engine.model_loader import load_model
+
+
+def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "alpha river stone quiet market seven orange violin harbor meadow copper lantern".split()
+    out = []
+    for i in range(n):
+        if tokenizer is None:
+            out.append([rng.randrange(3, vocab) for _ in range(length)])
+            continue
+        text = f"Document {i}: " + " ".join(rng.choice(words) for _ in range(length * 2))
+        out.append(tokenizer(text)["input_ids"][:length])
+    return out
+
+
+def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str) -> dict:
+    cfg = EngineConfig(model="bench", device=device, kv_policy=policy, max_rows=max(len(prompts), 1),
+                       max_num_batched_tokens=2048, kv_cache_bytes=2 << 30)
+    engine = Engine(cfg, loaded)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", p, params))
+    first, last, events = {}, {}, []
+    while engine.has_work():
+        for o in engine.step():
+            now = time.perf_counter()
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            events.append(now)
+    # decode rate with all N rows decoding: from the last row's first token to the end
+    t_all, t_last = max(first.values()), max(last.values())
+    decoded = sum(1 for t in events if t > t_all)
+    per_session = (engine.pool.ring_row_bytes
+                   + engine.pool.blocks_for(len(prompts[0]) + new_tokens) * engine.pool.block_bytes)
+    return {
+        "decode_tok_s": decoded / (t_last - t_all),
+        "ttft_s": sum(first[r] - t0 for r in first) / len(first),
+        "kv_bytes_per_session": per_session,
+    }
+
+
+class _StepClock:
+    """A LogitsProcessor that only records when each generation step's logits arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
+    """Batched HF generate. Decode rate over the steps after the first token (every row decodes
+    together in HF), the same definition as the engine's; TTFT = time to the first step."""
+    from transformers import LogitsProcessorList
+
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    clock = _StepClock()
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, top_k=None, top_p=None,
+              logits_processor=LogitsProcessorList([clock]))
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    t = clock.times
+    return {"decode_tok_s": len(prompts) * (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--prompt-len", type=int, default=1238)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--policies", nargs="+", default=["s5", "native"])
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+
+    loaded = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype))
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader import embedded_dir
+
+    path = str(embedded_dir()) if a.model == "embedded" else a.model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=loaded.model.dtype, attn_implementation="sdpa")
+    hf = hf.to(a.device).eval()
+    vocab = loaded.model.config.vocab_size
+    rows = []
+    print(f"{'n':>3} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}")
+    for n in a.n:
+        prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
+        hf_res = run_hf(hf, prompts, a.new_tokens, pad_id=0)
+        for policy in a.policies:
+            res = run_engine(loaded, policy, prompts, a.new_tokens, a.device)
+            row = {"n": n, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                   "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": None,
+                   "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
+            rows.append(row)
+            print(f"{n:>3} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
+                  f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {res['ttft_s']:>7.2f} "
+                  f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}")
+    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else (platform.processor() or platform.machine())
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        commit = None
+    import transformers
+
+    result = {
+        "bench": "throughput", "device": dev, "model": a.model, "dtype": a.dtype,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "commit": commit},
+        "workload": {"name": "decode-1238", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                     "greedy": True, "ignore_eos": True, "threads": torch.get_num_threads()},
+        "rows": rows,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if a.device.startswith("cuda") else "cpu"
+    path = out / f"throughput-{tag}-{date.today().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

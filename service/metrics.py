@@ -1,0 +1,42 @@
+"""Prometheus metrics, on a registry owned by the app (no process globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queued = Gauge("s5_requests_queued", "Requests waiting for admission", registry=r)
+        self.running = Gauge("s5_requests_running", "Requests holding a row and running", registry=r)
+        self.kv_utilization = Gauge("s5_kv_block_utilization", "Share of paged KV blocks in use", registry=r)
+        self.rows_used = Gauge("s5_kv_rows_used", "KV rows in use (sessions and requests)", registry=r)
+        self.sessions = Gauge("s5_sessions", "Open sessions", registry=r)
+        self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=r)
+        self.itl = Histogram("s5_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY, registry=r)
+        self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=r)
+        self.step = Histogram("s5_step_seconds", "Engine step time", buckets=LATENCY, registry=r)
+        self.prompt_tokens = Counter("s5_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prefill_tokens = Counter("s5_prefill_tokens", "Tokens prefilled (computed)", registry=r)
+        self.cached_tokens = Counter("s5_cached_tokens", "Prompt tokens reused from session rows", registry=r)
+        self.generation_tokens = Counter("s5_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
+        self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
+
+    def on_step(self, engine, outputs, seconds: float) -> None:
+        """Called on the engine thread after every step."""
+        self.step.observe(seconds)
+        pool = engine.pool
+        self.queued.set(engine.num_waiting)
+        self.running.set(engine.num_running)
+        self.rows_used.set(pool.num_rows - pool.num_free_rows)
+        if pool.paged_layers:
+            self.kv_utilization.set(1 - pool.num_free_blocks / (pool.num_blocks - 1))
+        self.sessions.set(len(engine.sessions))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

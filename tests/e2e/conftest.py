@@ -1,0 +1,77 @@
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from engine import EngineConfig
+from engine.model_loader import LoadedModel
+from service.app import create_app
+from service.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 in a thread, with a handle on its engine."""
+
+    def __init__(self, settings: Settings, loaded: LoadedModel):
+        self.app = create_app(settings, loaded)
+        self.state = self.app.state.s5
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self):
+        self.thread.start()
+        for _ in range(600):
+            try:
+                if httpx.get(f"{self.url}/ready").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server not ready")
+
+    def engine_call(self, fn, *args):
+        """Run fn(engine, *args) on the engine thread (between steps)."""
+        w = self.state.worker
+        return asyncio.run_coroutine_threadsafe(w.call(fn, w.engine, *args), w._loop).result(30)
+
+    def wait_idle(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine_call(lambda e: not e.has_work()) and not self.state.active:
+                return
+            time.sleep(0.05)
+        raise AssertionError("engine did not go idle")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        for line in httpx.get(f"{self.url}/metrics", headers=self.headers).text.splitlines():
+            if line.startswith(name + (labels and "{" + labels + "}")) and not line.startswith("#"):
+                key = line.rsplit(" ", 1)[0]
+                if key == name + (("{" + labels + "}") if labels else ""):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    headers: dict = {}
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="session")
+def server(embedded):
+    settings = Settings(engine=EngineConfig(model="embedded", max_rows=16), port=free_port())
+    srv = LiveServer(settings, LoadedModel(embedded.model, embedded.tokenizer, "gemma-3-270m")).start()
+    yield srv
+    srv.stop()

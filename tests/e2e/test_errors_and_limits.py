@@ -1,0 +1,178 @@
+"""Bad input, auth, limits, eviction and cancellation over HTTP."""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine import EngineConfig
+from service.settings import Settings
+from tests.e2e.conftest import LiveServer, free_port
+from tests.helpers import tiny_loaded
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"messages": MSG, "max_tokens": 4, **kw}
+
+
+# (name, method, path, body or raw bytes, status, code) -- at least 25 bad requests
+MATRIX = [
+    ("messages missing", "POST", "/v1/chat/completions", {}, 400, "invalid_request"),
+    ("messages empty", "POST", "/v1/chat/completions", {"messages": []}, 400, "invalid_request"),
+    ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, 400, "invalid_request"),
+    ("bad role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request"),
+    ("content wrong type", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request"),
+    ("image part", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_request"),
+    ("max_tokens negative", "POST", "/v1/chat/completions", chat(max_tokens=-1), 400, "invalid_request"),
+    ("max_tokens zero", "POST", "/v1/chat/completions", chat(max_tokens=0), 400, "invalid_request"),
+    ("max_tokens string", "POST", "/v1/chat/completions", chat(max_tokens="many"), 400, "invalid_request"),
+    ("max_tokens huge", "POST", "/v1/chat/completions", chat(max_tokens=10**12), 400, "kv_capacity_exceeded"),
+    ("temperature negative", "POST", "/v1/chat/completions", chat(temperature=-1), 400, "invalid_request"),
+    ("temperature string", "POST", "/v1/chat/completions", chat(temperature="hot"), 400, "invalid_request"),
+    ("top_p zero", "POST", "/v1/chat/completions", chat(top_p=0), 400, "invalid_request"),
+    ("top_p above one", "POST", "/v1/chat/completions", chat(top_p=1.5), 400, "invalid_request"),
+    ("top_k below -1", "POST", "/v1/chat/completions", chat(top_k=-5), 400, "invalid_request"),
+    ("n = 2", "POST", "/v1/chat/completions", chat(n=2), 400, "invalid_request"),
+    ("stop empty string", "POST", "/v1/chat/completions", chat(stop=[""]), 400, "invalid_request"),
+    ("stop wrong type", "POST", "/v1/chat/completions", chat(stop=5), 400, "invalid_request"),
+    ("unknown model", "POST", "/v1/chat/completions", chat(model="gpt-9"), 404, "model_not_found"),
+    ("unknown session", "POST", "/v1/chat/completions", chat(session_id="nope"), 404, "session_not_found"),
+    ("NaN temperature", "POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}', 400, "invalid_request"),
+    ("Infinity top_p", "POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"top_p":Infinity}', 400, "invalid_request"),
+    ("lone surrogate", "POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"\\ud800"}]}', 400, "invalid_request"),
+    ("invalid utf-8 bytes", "POST", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', 400, "invalid_request"),
+    ("malformed json", "POST", "/v1/chat/completions", b'{"messages": [', 400, "invalid_request"),
+    ("body not an object", "POST", "/v1/chat/completions", b'[1, 2]', 400, "invalid_request"),
+    ("oversize body", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}, 413, "body_too_large"),
+    ("prompt over context", "POST", "/v1/completions", {"prompt": [5] * 40000, "max_tokens": 1}, 400, "context_length_exceeded"),
+    ("prompt token out of vocab", "POST", "/v1/completions", {"prompt": [10**9], "max_tokens": 1}, 400, "invalid_request"),
+    ("prompt empty ids", "POST", "/v1/completions", {"prompt": [], "max_tokens": 1}, 400, "invalid_request"),
+    ("two prompts", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "invalid_request"),
+    ("session generate no input", "POST", "/v1/sessions/{sid}/generate", {"max_tokens": 2}, 400, "invalid_request"),
+    ("session generate unknown", "POST", "/v1/sessions/nope/generate", {"input": "hi"}, 404, "session_not_found"),
+    ("get unknown session", "GET", "/v1/sessions/nope", None, 404, "session_not_found"),
+    ("cancel unknown request", "POST", "/v1/requests/req-nope/cancel", None, 404, "request_not_found"),
+    ("unknown route", "GET", "/v1/nothing", None, 404, "not_found"),
+]
+
+
+@pytest.mark.slow
+def test_validation_matrix(server):
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    failures = []
+    for name, method, path, body, status, code in MATRIX:
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else (
+            {"json": body} if body is not None else {})
+        r = httpx.request(method, server.url + path.format(sid=sid), timeout=30, **kw)
+        try:
+            err = r.json()["error"]
+            ok = r.status_code == status and err["code"] == code and err["message"] and "type" in err
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            failures.append((name, r.status_code, r.text[:200]))
+    print(f"\nvalidation matrix: {len(MATRIX)} bad requests, {len(failures)} wrong")
+    assert not failures
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    server.wait_idle()
+    server.engine_call(lambda e: e.check_invariants())
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200  # still serving
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny-model server with API keys, a queue of 2 and a short session TTL."""
+    settings = Settings(engine=EngineConfig(model="tiny-random", max_rows=2, kv_cache_bytes=1 << 22),
+                        port=free_port(), api_keys=("key-a", "key-b"), max_queued=2, session_ttl_s=1.5)
+    srv = LiveServer(settings, tiny_loaded(0))
+    srv.headers = {"Authorization": "Bearer key-a"}
+    yield srv.start()
+    srv.stop()
+
+
+A = {"Authorization": "Bearer key-a"}
+B = {"Authorization": "Bearer key-b"}
+
+
+def test_auth_matrix(tiny):
+    sid = httpx.post(f"{tiny.url}/v1/sessions", headers=A).json()["id"]
+    routes = [
+        ("GET", "/v1/models", None), ("GET", "/metrics", None),
+        ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", chat()),
+        ("POST", "/v1/sessions", None), ("GET", f"/v1/sessions/{sid}", None),
+        ("POST", f"/v1/sessions/{sid}/generate", {"input": [5, 6], "max_tokens": 2, "stream": False}),
+        ("POST", "/v1/requests/req-x/cancel", None),
+    ]
+    unauthorized_successes = 0
+    for method, path, body in routes:
+        for hdrs in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic key-a"}):
+            r = httpx.request(method, tiny.url + path, json=body, headers=hdrs, timeout=30)
+            unauthorized_successes += r.status_code < 400
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    assert unauthorized_successes == 0
+    # another tenant's session looks exactly like a missing one
+    theirs = httpx.get(f"{tiny.url}/v1/sessions/{sid}", headers=B)
+    missing = httpx.get(f"{tiny.url}/v1/sessions/{'0' * 32}", headers=B)
+    assert theirs.status_code == missing.status_code == 404
+    assert theirs.json()["error"]["code"] == missing.json()["error"]["code"] == "session_not_found"
+    gen = httpx.post(f"{tiny.url}/v1/sessions/{sid}/generate", json={"input": [5], "stream": False}, headers=B)
+    assert gen.status_code == 404
+    assert httpx.get(f"{tiny.url}/v1/sessions/{sid}", headers=A).status_code == 200
+    assert httpx.get(f"{tiny.url}/health").status_code == 200 and httpx.get(f"{tiny.url}/ready").status_code == 200
+
+
+def test_queue_full_gives_429_with_retry_after(tiny):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    holders = []
+    stop = threading.Event()
+
+    def hold():
+        with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, headers=A, timeout=60) as r:
+            holders.append(r.status_code)
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(holders) < 2:
+        time.sleep(0.01)
+    r = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=A)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    tiny.wait_idle()
+    tiny.engine_call(lambda e: e.check_invariants())
+
+
+def test_cancel_by_request_id(tiny):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, headers=A, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        assert httpx.post(f"{tiny.url}/v1/requests/{rid}/cancel", headers=B).status_code == 404  # not theirs
+        assert httpx.post(f"{tiny.url}/v1/requests/{rid}/cancel", headers=A).json()["cancelled"]
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # ended early, not by length
+    assert sum(len(c["choices"][0]["text"]) >= 0 for c in chunks) < 3000
+    tiny.wait_idle()
+
+
+def test_idle_sessions_expire_and_answer_session_evicted(tiny):
+    sid = httpx.post(f"{tiny.url}/v1/sessions", headers=A).json()["id"]
+    r = httpx.post(f"{tiny.url}/v1/sessions/{sid}/generate", json={"input": [5, 6], "max_tokens": 2, "stream": False},
+                   headers=A)
+    assert r.status_code == 200
+    time.sleep(3.5)
+    r = httpx.get(f"{tiny.url}/v1/sessions/{sid}", headers=A)
+    assert r.status_code == 410 and r.json()["error"]["code"] == "session_evicted"
+    assert tiny.metric("s5_session_evictions_total", 'reason="ttl"') >= 1
+    tiny.engine_call(lambda e: e.check_invariants())

@@ -1,0 +1,177 @@
+"""The served path against a real uvicorn server with the embedded model: byte-exact SSE framing,
+the openai SDK, sessions (recall, prefix reuse, no re-prefill), cancellation, disconnects."""
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from engine.passkey import passkey_prompt
+from service.client import AsyncClient, Client, NotFound
+
+pytestmark = pytest.mark.slow
+
+
+def test_stream_framing_is_openai_exact(server):
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("req-")
+        raw = b"".join(r.iter_bytes())
+    assert b"\r" not in raw
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]].count("length") == 1
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_openai_sdk_sync_async_stream_and_not(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = dict(model="gemma-3-270m", messages=msgs, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+    parts, usage = [], None
+    for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        parts += [c.delta.content or "" for c in ch.choices]
+        usage = ch.usage or usage
+    assert "".join(parts) == full.choices[0].message.content and usage.completion_tokens == 6
+    assert [m.id for m in client.models.list().data] == ["gemma-3-270m"]
+    comp = client.completions.create(model="gemma-3-270m", prompt="One, two,", max_tokens=4, temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens <= 4
+
+    async def run_async():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        text = ""
+        async for ch in await aclient.chat.completions.create(stream=True, **kw):
+            text += "".join(c.delta.content or "" for c in ch.choices)
+        return text
+
+    assert asyncio.run(run_async()) == full.choices[0].message.content
+
+
+def test_breaking_out_of_a_stream_cancels_it(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    before = server.metric("s5_requests_finished_total", 'finish_reason="abort"')
+    stream = client.chat.completions.create(model="gemma-3-270m", max_tokens=500, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Count to 1000."}],
+                                            extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    server.wait_idle()
+    assert server.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
+    server.engine_call(lambda e: e.check_invariants())
+
+
+def test_eight_sdk_sessions_recall_their_own_passkey(server):
+    tok = server.state.tokenizer
+
+    async def one(client, i, key):
+        prompt = passkey_prompt(tok, 300, 0.3 + 0.05 * i, key)
+        text = tok.decode(prompt[1:]).split("\nWhat is the pass key?")[0]
+        async with await client.create_session() as s:
+            async for _ in s.generate(text, max_tokens=1, temperature=0):
+                pass
+            first = await s.info()
+            reply = ""
+            async for delta in s.generate("\nWhat is the pass key? The pass key is", max_tokens=7, temperature=0):
+                reply += delta
+            return key, reply, first, s.last
+
+    async def run():
+        async with AsyncClient(server.url) as client:
+            keys = [random.Random(i).randrange(10000, 99999) for i in range(8)]
+            return await asyncio.gather(*(one(client, i, k) for i, k in enumerate(keys)))
+
+    prefill_before = server.metric("s5_prefill_tokens_total")
+    results = asyncio.run(run())
+    for key, reply, first, last in results:
+        assert str(key) in reply, (key, reply)
+        # the second turn reused every computed position of the first and prefilled only the rest
+        assert last["cached_tokens"] == first["kv_tokens"]
+        assert last["prompt_tokens"] == first["history_tokens"] - first["kv_tokens"] + len(
+            tok("\nWhat is the pass key? The pass key is", add_special_tokens=False)["input_ids"])
+    others = [k for k, _, _, _ in results]
+    for key, reply, _, _ in results:
+        assert not any(str(o) in reply for o in others if o != key)
+    prefilled = server.metric("s5_prefill_tokens_total") - prefill_before
+    assert prefilled == sum(r[2]["history_tokens"] - 1 + r[3]["prompt_tokens"] for r in results)
+
+
+def test_session_prefix_reuse_over_openai_routes(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    msgs = [{"role": "user", "content": "The secret word is PELICAN. Reply with OK."}]
+    first = client.chat.completions.create(model="gemma-3-270m", messages=msgs, max_tokens=5, temperature=0,
+                                           extra_body={"session_id": sid})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    kv = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["kv_tokens"]
+    stored = server.engine_call(lambda e: e.session_tokens(sid))
+    # continue with exactly the stored history as a completion prompt: everything is reused
+    comp = client.completions.create(model="gemma-3-270m", prompt=stored + tok_ids(server, " Next"), max_tokens=3,
+                                     temperature=0, extra_headers={"X-Session-Id": sid})
+    assert comp.usage.prompt_tokens_details.cached_tokens == kv
+    # a diverging conversation is re-prefilled from scratch, and says so
+    other = client.completions.create(model="gemma-3-270m", prompt="Something else entirely.", max_tokens=2,
+                                      temperature=0, extra_body={"session_id": sid})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    with Client(server.url) as c:
+        c._json("DELETE", f"/v1/sessions/{sid}")
+        with pytest.raises(NotFound):
+            c._json("GET", f"/v1/sessions/{sid}")
+
+
+def tok_ids(server, text):
+    return server.state.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_hundred_streams_thirty_disconnects(server):
+    rng = random.Random(0)
+    prompts = [f"Item {i}: the {rng.choice(['red', 'blue', 'green'])} {rng.choice(['fox', 'owl', 'cat'])} said"
+               for i in range(100)]
+    body = lambda p: {"prompt": p, "max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True}  # noqa: E731
+
+    async def stream(client, p, cut_after=None):
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body(p)) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if cut_after is not None and n >= cut_after:
+                    return None  # disconnect
+                if line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    text += "".join(c["text"] for c in obj["choices"])
+                n += 1
+        return text
+
+    async def run(cuts):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(stream(client, p, cuts.get(i)) for i, p in enumerate(prompts)))
+
+    cut = {i: rng.choice([0, 1, 2, 4, 6]) for i in rng.sample(range(100), 30)}
+    disturbed = asyncio.run(run(cut))
+    server.wait_idle()
+    undisturbed = asyncio.run(run({}))
+    server.wait_idle()
+    for i in range(100):
+        if i not in cut:
+            assert disturbed[i] == undisturbed[i], i
+    server.engine_call(lambda e: e.check_invariants())
+    free = server.engine_call(lambda e: e.pool.num_free_rows)
+    sessions = server.engine_call(lambda e: sum(s.row is not None for s in e.sessions.values()))
+    assert free + sessions == server.state.settings.engine.max_rows  # no row leaked
+    assert server.metric("s5_requests_running") == 0 and server.metric("s5_requests_queued") == 0
