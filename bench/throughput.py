@@ -99,6 +99,16 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
     return {"decode_tok_s": len(prompts) * (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0}
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="embedded")
@@ -134,7 +144,7 @@ def main() -> None:
             print(f"{n:>3} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
                   f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {res['ttft_s']:>7.2f} "
                   f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}")
-    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else (platform.processor() or platform.machine())
+    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:

@@ -34,7 +34,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, top_k=None, top_p=None)
     return out[0, len(prompt):].tolist()
