@@ -198,6 +198,13 @@ class Engine:
                 code="context_length_exceeded",
                 param="prompt",
             )
+        if len(history) + len(ids) + params.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"prompt ({len(history) + len(ids)} tokens with history) + max_tokens ({params.max_tokens}) "
+                f"exceed the context limit of {self.max_model_len} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
         kv_len = self.pool.kv_len(session.row) if session is not None and session.row is not None else 0
         feed = history[kv_len:] + list(ids)
         max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)

@@ -52,6 +52,8 @@ def _drain_server_class():
                 while time.monotonic() < deadline and self.state.active:
                     time.sleep(0.1)
                 super(DrainingServer, self).handle_exit(sig, frame)
+                # drained on purpose: exit 0 instead of re-raising the signal after shutdown
+                getattr(self, "_captured_signals", []).clear()
 
             threading.Thread(target=wait_then_exit, daemon=True).start()
 

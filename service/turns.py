@@ -99,7 +99,7 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
 
 async def _metered(state, rid: str, raw: AsyncIterator[RequestOutput], started: float):
     m = state.metrics
-    last = None
+    last, finished = None, False
     try:
         async for out in raw:
             now = time.monotonic()
@@ -113,12 +113,15 @@ async def _metered(state, rid: str, raw: AsyncIterator[RequestOutput], started: 
                 last = now
                 m.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
+                finished = True
                 m.finished.labels(out.finish_reason.value).inc()
                 m.e2e.observe(now - started)
             yield out
     finally:
         state.active.pop(rid, None)
-        await raw.aclose()  # not finished: aborts the request at the next step
+        if not finished:  # the client went away: the request is aborted at the next step
+            m.finished.labels("abort").inc()
+        await raw.aclose()
 
 
 async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], RequestOutput | None]:
@@ -136,8 +139,11 @@ async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Req
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if not done and await request.is_disconnected():
-            task.cancel()
-            await turn.stream.aclose()
+            task.cancel()  # unwinds the stream, which aborts the request
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
             return text, ids, None
     await task
     if last is not None and last.finish_reason == FinishReason.ERROR:

@@ -71,7 +71,7 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def server(embedded):
-    settings = Settings(engine=EngineConfig(model="embedded", max_rows=16), port=free_port())
+    settings = Settings(engine=EngineConfig(model="embedded", max_rows=16, kv_cache_bytes=128 << 20), port=free_port())
     srv = LiveServer(settings, LoadedModel(embedded.model, embedded.tokenizer, "gemma-3-270m")).start()
     yield srv
     srv.stop()

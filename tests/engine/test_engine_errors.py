@@ -20,6 +20,7 @@ BAD = [
     ("token out of vocab", dict(prompt=[5, 99999]), "invalid_request"),
     ("negative token", dict(prompt=[-1]), "invalid_request"),
     ("over context", dict(prompt=[5] * 256), "context_length_exceeded"),
+    ("max_tokens past context", dict(prompt=[5] * 200, params=SamplingParams(max_tokens=100)), "context_length_exceeded"),
     ("max_tokens 0", dict(params=SamplingParams(max_tokens=0)), "invalid_request"),
     ("temperature < 0", dict(params=SamplingParams(temperature=-0.5)), "invalid_request"),
     ("temperature NaN", dict(params=SamplingParams(temperature=math.nan)), "invalid_request"),
