@@ -99,6 +99,48 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
     return {"decode_tok_s": len(prompts) * (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0}
 
 
+# BENCH.md model shapes (random weights, Gemma3TextConfig, every 6th layer full attention)
+SHAPES = {
+    "gemma3-270m": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144),
+    "gemma3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144),
+    "gemma3-4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208),
+}
+
+
+def shape_models(name: str, device: str, dtype: torch.dtype):
+    """Two identical random-weight models of a BENCH.md shape: one for the engine, one for HF."""
+    import copy
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**SHAPES[name], max_position_embeddings=32768, query_pre_attn_scalar=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Gemma3ForCausalLM(cfg).to(dtype).eval()
+    hf = copy.deepcopy(model)
+    hf.set_attn_implementation("sdpa")
+    return model, hf
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy bandwidth (read + write bytes per second) of a large copy."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1000)
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -112,6 +154,7 @@ def cpu_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight BENCH.md shape")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -121,28 +164,41 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
 
-    loaded = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype))
-    from transformers import AutoModelForCausalLM
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    if a.shape:
+        from engine.model_loader import LoadedModel
 
-    from engine.model_loader import embedded_dir
+        model, hf = shape_models(a.shape, a.device, dtype)
+        loaded, a.model = LoadedModel(model, None, a.shape), a.shape
+    else:
+        from transformers import AutoModelForCausalLM
 
-    path = str(embedded_dir()) if a.model == "embedded" else a.model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=loaded.model.dtype, attn_implementation="sdpa")
-    hf = hf.to(a.device).eval()
+        from engine.model_loader import embedded_dir
+
+        loaded = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype))
+        path = str(embedded_dir()) if a.model == "embedded" else a.model
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}")
+    print(f"{'n':>3} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
+          f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}")
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
         hf_res = run_hf(hf, prompts, a.new_tokens, pad_id=0)
         for policy in a.policies:
             res = run_engine(loaded, policy, prompts, a.new_tokens, a.device)
+            floor = None
+            if bandwidth:  # one step reads the weights once and every row's resident K/V
+                floor = n / ((weight_bytes + n * res["kv_bytes_per_session"]) / bandwidth)
             row = {"n": n, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
-                   "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": None,
+                   "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                    "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
             rows.append(row)
+            vs_floor = f"{res['decode_tok_s'] / floor:>7.3f}x" if floor else f"{'-':>8}"
             print(f"{n:>3} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
-                  f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {res['ttft_s']:>7.2f} "
+                  f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
                   f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}")
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
     try:
@@ -153,6 +209,7 @@ def main() -> None:
 
     result = {
         "bench": "throughput", "device": dev, "model": a.model, "dtype": a.dtype,
+        "copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "commit": commit},
         "workload": {"name": "decode-1238", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
@@ -162,7 +219,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if a.device.startswith("cuda") else "cpu"
-    path = out / f"throughput-{tag}-{date.today().isoformat()}.json"
+    name = f"throughput-{tag}-{a.shape + '-' if a.shape else ''}{date.today().isoformat()}.json"
+    path = out / name
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 

@@ -29,7 +29,7 @@ from engine.kv_policy import layer_layouts
 from engine.kv_rows import RowPool, RowSnapshot
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
-from engine.sampler import make_generator, sample
+from engine.sampler import greedy_batch, make_generator, sample
 from engine.scheduler import Scheduler, SchedRequest
 from engine.types import EngineError, FinishReason, Request, RequestOutput
 
@@ -103,7 +103,7 @@ class Engine:
         # Observer of every sampled distribution: (request_id, position of the last fed token,
         # logits). Tests and fidelity benchmarks use it; None in serving.
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "evictions_lru": 0}
 
     # ---- sessions -----------------------------------------------------------------------------
     def create_session(self, session_id: str | None = None) -> str:
@@ -259,6 +259,7 @@ class Engine:
         if not idle:
             return False
         self.evict_session(min(idle, key=lambda s: s.last_used).session_id, "lru")
+        self.stats["evictions_lru"] += 1
         return True
 
     def evict_session(self, session_id: str, reason: str) -> None:
@@ -316,21 +317,30 @@ class Engine:
             lives.append(live)
         self.stats["steps"] += 1
         try:
-            logits = self.runner.run(inputs)
+            logits, owners = self.runner.run(inputs)
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
+        greedy_rows = [j for j, n in enumerate(owners) if lives[n].request.params.greedy]
+        picked: dict[int, tuple[int, bool]] = {}
+        if greedy_rows:  # all greedy rows in one device call
+            tokens, finite = greedy_batch(logits[greedy_rows] if len(greedy_rows) < len(owners) else logits)
+            picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
         outputs = []
-        for n, live in enumerate(lives):
-            if n in logits:
-                outputs.append(self._apply(live, logits[n]))
+        for j, n in enumerate(owners):
+            outputs.append(self._apply(lives[n], logits[j], picked.get(j)))
         return outputs
 
-    def _apply(self, live: _Live, logits: torch.Tensor) -> RequestOutput:
+    def _apply(self, live: _Live, logits: torch.Tensor, greedy: tuple[int, bool] | None) -> RequestOutput:
         params = live.request.params
         if self.logits_hook is not None:
             self.logits_hook(live.request.request_id, self.pool.kv_len(live.row) - 1, logits)
         try:
-            token = sample(logits, params, live.generator)
+            if greedy is not None:
+                token, finite = greedy
+                if not finite:
+                    raise ValueError("non-finite logits")
+            else:
+                token = sample(logits, params, live.generator)
         except Exception as exc:
             return self._finish(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
         live.output_ids.append(token)

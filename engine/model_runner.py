@@ -25,8 +25,9 @@ class ModelRunner:
         self.device = pool.device
         hf_adapter.use_row_attention(model)
 
-    def run(self, inputs: list[RunnerInput]) -> dict[int, torch.Tensor]:
-        """Runs the step; returns {index into `inputs`: logits [vocab] (float32)}."""
+    def run(self, inputs: list[RunnerInput]) -> tuple[torch.Tensor, list[int]]:
+        """Runs the step; returns logits [n, vocab] (float32, on the device) and, for each of
+        the n rows, the index into `inputs` it belongs to."""
         step = StepAttention(self.pool, [i.chunk for i in inputs])
         by_chunk = {id(i.chunk): (n, i) for n, i in enumerate(inputs)}
         ids: list[int] = []
@@ -42,4 +43,4 @@ class ModelRunner:
         index = torch.tensor(logits_index, dtype=torch.long, device=self.device)  # [n]
         logits = hf_adapter.forward(self.model, input_ids, positions, step, index)  # [n, V]
         step.commit()
-        return {owner: logits[j] for j, owner in enumerate(owners)}
+        return logits, owners

@@ -38,3 +38,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if not bool(torch.isfinite(probs).all()):
         raise ValueError("non-finite logits")
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Argmax of every row of `logits` [n, vocab] in one device call and one host sync; also
+    whether each row's best logit is finite (a NaN anywhere in a row wins its argmax)."""
+    best = torch.argmax(logits, dim=-1)  # [n]
+    ok = torch.isfinite(logits.gather(1, best[:, None])[:, 0])  # [n]
+    return best.tolist(), ok.tolist()

@@ -51,6 +51,13 @@ def _drain_server_class():
                 deadline = time.monotonic() + grace
                 while time.monotonic() < deadline and self.state.active:
                     time.sleep(0.1)
+                if self.state.active and self.state.worker is not None:
+                    # past the grace period: end the rest with a final event, then stop
+                    for rid in list(self.state.active):
+                        self.state.worker.abort(rid)
+                    until = time.monotonic() + 5
+                    while time.monotonic() < until and self.state.active:
+                        time.sleep(0.05)
                 super(DrainingServer, self).handle_exit(sig, frame)
                 # drained on purpose: exit 0 instead of re-raising the signal after shutdown
                 getattr(self, "_captured_signals", []).clear()

@@ -26,6 +26,7 @@ class Metrics:
         self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
+        self._lru_seen = 0
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Called on the engine thread after every step."""
@@ -37,6 +38,10 @@ class Metrics:
         if pool.paged_layers:
             self.kv_utilization.set(1 - pool.num_free_blocks / (pool.num_blocks - 1))
         self.sessions.set(len(engine.sessions))
+        lru = engine.stats["evictions_lru"]
+        if lru > self._lru_seen:
+            self.evictions.labels("lru").inc(lru - self._lru_seen)
+            self._lru_seen = lru
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

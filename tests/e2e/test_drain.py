@@ -9,17 +9,21 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import free_port
 
 
-def test_sigterm_drains_streams(tmp_path):
+@pytest.mark.parametrize("grace,max_tokens,finish", [(30, 400, "length"), (1, 4000, "stop")])
+def test_sigterm_drains_streams(tmp_path, grace, max_tokens, finish):
+    """Streams that finish within the grace period end normally; the rest end with a final
+    event when it runs out. Either way every stream ends with [DONE]."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--model", "tiny-random:0", "--port", str(port),
-         "--drain-grace", "30", "--rows", "8", "--kv-cache-bytes", str(1 << 24)],
+         "--drain-grace", str(grace), "--rows", "8", "--kv-cache-bytes", str(1 << 24)],
         env=env, stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT,
     )
     try:
@@ -35,7 +39,7 @@ def test_sigterm_drains_streams(tmp_path):
         results = {}
 
         def stream(i):
-            body = {"prompt": [5, 6, 7, i + 8], "max_tokens": 400, "stream": True, "ignore_eos": True}
+            body = {"prompt": [5, 6, 7, i + 8], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
             lines = []
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
@@ -57,7 +61,7 @@ def test_sigterm_drains_streams(tmp_path):
         for i in range(5):
             data = [x for x in results[i] if x.startswith("data: ")]
             assert data[-1] == "data: [DONE]", results[i][-3:]
-            assert '"finish_reason": "length"' in data[-2]
+            assert f'"finish_reason": "{finish}"' in data[-2]
     finally:
         if proc.poll() is None:
             proc.kill()
