@@ -174,3 +174,13 @@ def test_idle_sessions_expire_and_answer_session_evicted(tiny):
     assert r.status_code == 410 and r.json()["error"]["code"] == "session_evicted"
     assert tiny.metric("s5_session_evictions_total", 'reason="ttl"') >= 1
     tiny.engine_call(lambda e: e.check_invariants())
+
+
+def test_non_streaming_client_disconnect_aborts(tiny):
+    before = tiny.metric("s5_requests_finished_total", 'finish_reason="abort"')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4000, "ignore_eos": True},
+                   headers=A, timeout=1.0)
+    tiny.wait_idle(timeout=20)
+    assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
+    tiny.engine_call(lambda e: e.check_invariants())
