@@ -12,6 +12,7 @@ Map of the package (one owner per resource, data flows top to bottom):
     model_runner.py  one batched forward per step: packs tokens, returns logits of sampled rows
     sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
     detokenizer.py   incremental UTF-8-safe detokenization and stop strings
+    passkey.py       passkey-retrieval prompts for recall tests and benchmarks
     scheduler.py     admission, token budget, prefill chunks + decodes (no torch)
     engine.py        Engine.step(): schedule -> run -> apply; sessions; abort and rollback
     worker.py        the asyncio bridge: one thread runs step(), one channel per request

@@ -184,3 +184,27 @@ def test_non_streaming_client_disconnect_aborts(tiny):
     tiny.wait_idle(timeout=20)
     assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
     tiny.engine_call(lambda e: e.check_invariants())
+
+
+def test_sdk_leaving_generate_early_cancels_and_rolls_back(tiny):
+    from service.client import Client, SessionBusy
+
+    before = tiny.metric("s5_requests_finished_total", 'finish_reason="abort"')
+    with Client(tiny.url, api_key="key-a") as client, client.create_session() as session:
+        list(session.generate([5, 6, 7], max_tokens=4, ignore_eos=True))
+        history = session.info()["history_tokens"]
+        stream = session.generate([8, 9], max_tokens=3000, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        tiny.wait_idle()
+        assert session.info()["history_tokens"] == history  # rolled back to the last completed turn
+        assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
+        busy = session.generate([1], max_tokens=3000, ignore_eos=True)
+        next(busy)
+        with pytest.raises(SessionBusy):
+            list(session.generate([2], max_tokens=2))
+        busy.close()
+    tiny.wait_idle()
+    tiny.engine_call(lambda e: e.check_invariants())
