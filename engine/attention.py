@@ -130,7 +130,8 @@ class StepAttention:
         pool = self.pool
         pw_slots, pw_src, rw_slots, rw_src = [], [], [], []
         self.stage_src: list[tuple[int, int, int]] = []  # (row, packed start, n) to append
-        self.unstage: list[tuple[int, list[int], list[int]]] = []  # (row, ring slots, staging idx)
+        # (row, ring slots, staging indices): staged tokens that survive into the ring
+        self.unstage: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for c, off in zip(self.order, offsets):
             end = c.start + c.num_tokens
             if pool.paged_layers:
@@ -156,7 +157,8 @@ class StepAttention:
                     if ring_survives(p, end, pool.sink, pool.window):
                         slots.append(base + ring_slot(p, pool.sink, pool.window))
                         idx.append(j)
-                self.unstage.append((c.row, slots, idx))
+                as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+                self.unstage.append((c.row, as_dev(slots), as_dev(idx)))
         as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         self.paged_write = (as_t(pw_slots), as_t(pw_src))
         self.ring_write = (as_t(rw_slots), as_t(rw_src))
@@ -218,10 +220,8 @@ class StepAttention:
         pool = self.pool
         for row, slots, idx in self.unstage:
             st = pool.row(row).staging
-            sl = torch.tensor(slots, dtype=torch.long, device=pool.device)
-            ix = torch.tensor(idx, dtype=torch.long, device=pool.device)
-            pool.k[layer][sl] = st.k[layer][ix]
-            pool.v[layer][sl] = st.v[layer][ix]
+            pool.k[layer][slots] = st.k[layer][idx]
+            pool.v[layer][slots] = st.v[layer][idx]
         slots, src = self.ring_write
         pool.k[layer][slots] = k_new[src]
         pool.v[layer][slots] = v_new[src]

@@ -81,14 +81,14 @@ def forward(
     positions: torch.Tensor,  # [T_total]
     step: StepAttention,
     logits_index: torch.Tensor,  # [n] packed indices to compute logits for
+    layer_kinds: frozenset[str],  # the model's layer types (geometry(model).layer_types)
 ) -> torch.Tensor:
     """Logits [n, vocab] (float32) of the tokens at `logits_index`."""
-    kinds = set(geometry(model).layer_types)
     base = model.get_decoder()
     out = base(
         input_ids=input_ids.unsqueeze(0),
         position_ids=positions.unsqueeze(0),
-        attention_mask={kind: None for kind in kinds},
+        attention_mask=dict.fromkeys(layer_kinds),
         use_cache=False,
         s5_step=step,
     )

@@ -24,6 +24,7 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
+        self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
 
     def run(self, inputs: list[RunnerInput]) -> tuple[torch.Tensor, list[int]]:
         """Runs the step; returns logits [n, vocab] (float32, on the device) and, for each of
@@ -41,6 +42,6 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T_total]
         positions = step.positions.to(self.device)  # [T_total]
         index = torch.tensor(logits_index, dtype=torch.long, device=self.device)  # [n]
-        logits = hf_adapter.forward(self.model, input_ids, positions, step, index)  # [n, V]
+        logits = hf_adapter.forward(self.model, input_ids, positions, step, index, self.layer_kinds)  # [n, V]
         step.commit()
         return logits, owners

@@ -28,6 +28,14 @@ async def models(request: Request, owner: str | None = Depends(tenant)):
     return {"object": "list", "data": [card]}
 
 
+def _serving(request: Request, body):
+    """The app state, once the server is ready and the body names this model (or none)."""
+    st = request.app.state.s5
+    require_ready(st)
+    check_model(st, body.model)
+    return st
+
+
 def _session_id(request: Request, body) -> str | None:
     return body.session_id or request.headers.get("x-session-id") or None
 
@@ -41,9 +49,7 @@ def end_of_turn_ids(tok) -> tuple[int, ...]:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(tenant)):
-    st = request.app.state.s5
-    require_ready(st)
-    check_model(st, body.model)
+    st = _serving(request, body)
     tok = st.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
@@ -63,9 +69,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, owner: str | None = Depends(tenant)):
-    st = request.app.state.s5
-    require_ready(st)
-    check_model(st, body.model)
+    st = _serving(request, body)
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:
