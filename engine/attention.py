@@ -186,11 +186,11 @@ class StepAttention:
         for g in self.groups:
             slots = g.gather[lay.paged]
             if lay.paged:
-                k = store_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
-                v = store_v[slots].transpose(1, 2)
+                k = _gather(store_k, slots).transpose(1, 2)  # [B, Hkv, L, D]
+                v = _gather(store_v, slots).transpose(1, 2)
             else:
-                keys = [store_k[slots]]  # [B, L_res, Hkv, D]
-                vals = [store_v[slots]]
+                keys = [_gather(store_k, slots)]  # [B, L_res, Hkv, D]
+                vals = [_gather(store_v, slots)]
                 row = g.staged_rows[0]
                 if row is not None:
                     st = pool.row(row).staging
@@ -212,19 +212,19 @@ class StepAttention:
 
     def _store_paged(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         slots, src = self.paged_write
-        self.pool.k[layer][slots] = k_new[src]
-        self.pool.v[layer][slots] = v_new[src]
+        self.pool.k[layer].index_copy_(0, slots, k_new.index_select(0, src))
+        self.pool.v[layer].index_copy_(0, slots, v_new.index_select(0, src))
 
     def _store_ring(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """After the layer's attention: survivors into ring slots, or staging for later chunks."""
         pool = self.pool
         for row, slots, idx in self.unstage:
             st = pool.row(row).staging
-            pool.k[layer][slots] = st.k[layer][idx]
-            pool.v[layer][slots] = st.v[layer][idx]
+            pool.k[layer].index_copy_(0, slots, st.k[layer].index_select(0, idx))
+            pool.v[layer].index_copy_(0, slots, st.v[layer].index_select(0, idx))
         slots, src = self.ring_write
-        pool.k[layer][slots] = k_new[src]
-        pool.v[layer][slots] = v_new[src]
+        pool.k[layer].index_copy_(0, slots, k_new.index_select(0, src))
+        pool.v[layer].index_copy_(0, slots, v_new.index_select(0, src))
         for row, off, n in self.stage_src:
             pool.stage(row, layer, k_new[off : off + n], v_new[off : off + n])
 
@@ -232,6 +232,12 @@ class StepAttention:
         """After the forward: the pool records every chunk's new length and ring positions."""
         for c in self.chunks:
             self.pool.commit(c.row, c.start + c.num_tokens, c.forward_start, c.forward_done)
+
+
+def _gather(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """store[slots] for 2-D slots [B, L] -> [B, L, Hkv, D]; index_select copies whole rows and
+    ran ~5x faster than advanced indexing for these shapes on the CPU."""
+    return store.index_select(0, slots.reshape(-1)).unflatten(0, slots.shape)
 
 
 def _sdpa(q, k, v, mask, scaling, softcap):

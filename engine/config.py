@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 KV_POLICIES = ("s5", "native", "full", "sink-window")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8", "bnb-4bit")
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class EngineConfig:
     model: str = "embedded"
     device: str = "cpu"
     dtype: str = "float32"
-    # "bnb-4bit" loads weights through bitsandbytes (CUDA only); None keeps `dtype` weights.
+    # None keeps `dtype` weights; "int8": weight-only int8 linears with float32 activations (CPU,
+    # engine/quant.py); "bnb-4bit": bitsandbytes NF4 weights (CUDA only).
     quantization: str | None = None
     # KV policy, see kv_policy.py: s5 (default), native, full, sink-window (ablation control).
     kv_policy: str = "s5"
@@ -35,8 +37,12 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, "bnb-4bit"):
-            raise ValueError(f"quantization must be None or 'bnb-4bit', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "int8" and not self.device.startswith("cpu"):
+            raise ValueError("int8 quantization is the CPU path; use bnb-4bit on CUDA")
+        if self.quantization == "bnb-4bit" and not self.device.startswith("cuda"):
+            raise ValueError("bnb-4bit quantization needs a CUDA device")
         for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -99,7 +99,8 @@ def forward(
 def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output layer (and final soft-capping, if any) on hidden states [n, hidden]."""
     head = model.get_output_embeddings()
-    if hidden.shape[0] > 1 and head.bias is None and head.weight.dtype == hidden.dtype and hidden.device.type == "cpu":
+    if (type(head) is torch.nn.Linear and hidden.shape[0] > 1 and head.bias is None
+            and head.weight.dtype == hidden.dtype and hidden.device.type == "cpu"):
         logits = torch.mm(head.weight, hidden.T).T  # [n, vocab]
     else:
         logits = head(hidden)

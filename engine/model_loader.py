@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "gemma-3-270m"
 
@@ -138,7 +141,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if spec.startswith("tiny-random"):
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         model = tiny_random_model(seed, dtype).to(config.device)
-        return LoadedModel(model, None, spec)
+        return LoadedModel(_quantize(model, config), None, spec)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec == "embedded":
@@ -147,8 +150,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         path, name = spec, spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
     kwargs: dict[str, Any] = {"dtype": dtype}
     if config.quantization == "bnb-4bit":
-        if not config.device.startswith("cuda"):
-            raise ValueError("bnb-4bit quantization needs a CUDA device")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -156,7 +157,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
         )
         kwargs["device_map"] = {"": config.device}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if config.quantization is None:
+    if config.quantization != "bnb-4bit":
         model = model.to(config.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model.eval(), tokenizer, name)
+    return LoadedModel(_quantize(model.eval(), config), tokenizer, name)
+
+
+def _quantize(model, config: EngineConfig):
+    if config.quantization == "int8":
+        from engine.quant import KernelUnavailable, Q8Kernel, quantize_int8
+
+        if TORCH_DTYPES[config.dtype] != torch.float32:
+            raise ValueError("int8 quantization keeps float32 activations; use dtype float32")
+        cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        try:
+            kernel = Q8Kernel(cache)
+        except KernelUnavailable as e:
+            log.warning("%s; int8 weights run widened to float32 (same results, float32 speed)", e)
+            kernel = None
+        quantize_int8(model, kernel)
+    return model

@@ -40,7 +40,7 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--kv-cache-bytes", type=int, default=_env("KV_CACHE_BYTES", d.kv_cache_bytes, int))
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_BATCHED_TOKENS", d.max_num_batched_tokens, int))
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
-    p.add_argument("--quantization", default=_env("QUANTIZATION", None), choices=[None, "bnb-4bit"])
+    p.add_argument("--quantization", default=_env("QUANTIZATION", None), choices=[None, "int8", "bnb-4bit"])
     p.add_argument("--queue-size", type=int, default=_env("QUEUE_SIZE", 256, int))
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted API key (repeatable); S5_API_KEYS takes a comma-separated list")
