@@ -5,7 +5,7 @@ Aggregate decode tok/s = tokens generated while all N rows decode / that time (f
 row's first token to the last token); TTFT is reported separately. Prints a table with ratios to HF generate
 (batched, same model, same prompts, measured in this run) and writes JSON to bench/results/.
 
-    python -m bench.throughput                       # CPU, embedded model, N = 1 2 4 8
+    python -m bench.throughput                       # CPU, embedded model, N = 1 8 16 32, float32 + int8
     python -m bench.throughput --n 1 8 --new-tokens 64
 """
 
@@ -41,7 +41,7 @@ def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> li
 
 def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str) -> dict:
     cfg = EngineConfig(model="bench", device=device, kv_policy=policy, max_rows=max(len(prompts), 1),
-                       max_num_batched_tokens=2048, kv_cache_bytes=2 << 30)
+                       max_num_batched_tokens=2048, kv_cache_bytes=max(2 << 30, len(prompts) * (64 << 20)))
     engine = Engine(cfg, loaded)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -151,55 +151,96 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def quality(loaded, reference, device: str) -> dict:
+    """A quantized engine against the float32 one: greedy agreement (64 tokens from 16 corpus
+    prompts of 1,024 tokens, s5) and the quick passkey/needle grid of bench/recall.py."""
+    from bench import recall
+
+    prompts = recall.agreement_prompts(loaded.tokenizer, 16, 1024)
+    cfg = EngineConfig(model="bench", device=device, max_rows=8, max_num_batched_tokens=1024, kv_cache_bytes=1 << 30)
+    agree = recall.agreement(recall.greedy_tokens(loaded, cfg, prompts), recall.greedy_tokens(reference, cfg, prompts))
+    base = EngineConfig(model="bench", device=device, max_rows=8, max_num_batched_tokens=1024)
+    lengths, depths, cases = [512, 1024, 2048], [0.0, 0.5, 1.0], 2
+    grid = recall.needle_grid(loaded, base, ["native", "s5"], lengths, depths, cases)
+    tables = {p: recall.cell_table(grid["hits"][p], lengths, depths, cases) for p in ("native", "s5")}
+    return {"greedy_agreement_vs_float32": agree,
+            "recall_quick": {p: sum(grid["hits"][p].values()) for p in tables}, "recall_cases": len(grid["needles"]),
+            "recall_regressions": recall.check_quick(tables)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight BENCH.md shape")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--weights", nargs="+", default=None,
+                    help="engine weight precisions: float32 (the --dtype weights), int8 (CPU); "
+                         "default: float32 int8 on the CPU, float32 on CUDA")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--prompt-len", type=int, default=1238)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--policies", nargs="+", default=["s5", "native"])
+    ap.add_argument("--float32-policies", nargs="+", default=None,
+                    help="policies for the float32 weights when int8 runs too (default: s5)")
+    ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall of quantized weights")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    weights = a.weights or (["float32", "int8"] if a.device == "cpu" and not a.shape else ["float32"])
+    engines: dict[str, object] = {}
     if a.shape:
         from engine.model_loader import LoadedModel
 
         model, hf = shape_models(a.shape, a.device, dtype)
-        loaded, a.model = LoadedModel(model, None, a.shape), a.shape
+        engines["float32"], a.model = LoadedModel(model, None, a.shape), a.shape
     else:
         from transformers import AutoModelForCausalLM
 
         from engine.model_loader import embedded_dir
 
-        loaded = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype))
+        for w in weights:
+            engines[w] = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype,
+                                                 quantization=None if w == "float32" else w))
         path = str(embedded_dir()) if a.model == "embedded" else a.model
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    loaded = next(iter(engines.values()))
+    weight_bytes = {w: sum(t.numel() * t.element_size() for t in [*m.model.parameters(), *m.model.buffers()])
+                    for w, m in engines.items()}
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
-          f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}")
+    print(f"{'n':>3} {'weights':>7} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
+          f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}", flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
         hf_res = run_hf(hf, prompts, a.new_tokens, pad_id=0)
-        for policy in a.policies:
-            res = run_engine(loaded, policy, prompts, a.new_tokens, a.device)
-            floor = None
-            if bandwidth:  # one step reads the weights once and every row's resident K/V
-                floor = n / ((weight_bytes + n * res["kv_bytes_per_session"]) / bandwidth)
-            row = {"n": n, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
-                   "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
-                   "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
-            rows.append(row)
-            vs_floor = f"{res['decode_tok_s'] / floor:>7.3f}x" if floor else f"{'-':>8}"
-            print(f"{n:>3} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
-                  f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
-                  f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}")
+        for w, eng in engines.items():
+            policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
+            for policy in policies:
+                res = run_engine(eng, policy, prompts, a.new_tokens, a.device)
+                floor = None
+                if bandwidth:  # one step reads the weights once and every row's resident K/V
+                    floor = n / ((weight_bytes[w] + n * res["kv_bytes_per_session"]) / bandwidth)
+                row = {"n": n, "weights": w, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                       "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
+                       "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
+                rows.append(row)
+                vs_floor = f"{res['decode_tok_s'] / floor:>7.3f}x" if floor else f"{'-':>8}"
+                print(f"{n:>3} {w:>7} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
+                      f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
+                      f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}", flush=True)
+    qualities = {}
+    if not a.no_quality and "float32" in engines:
+        for w in engines:
+            if w != "float32":
+                qualities[w] = q = quality(engines[w], engines["float32"], a.device)
+                ag = q["greedy_agreement_vs_float32"]
+                print(f"{w}: greedy agreement with float32 {ag['token_agreement']:.1%} of tokens, "
+                      f"{ag['identical']}/{ag['prompts']} sequences identical; quick recall "
+                      f"native {q['recall_quick']['native']}/{q['recall_cases']}, s5 {q['recall_quick']['s5']}/"
+                      f"{q['recall_cases']}; s5 cells below native-1: {len(q['recall_regressions'])}", flush=True)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
@@ -214,7 +255,7 @@ def main() -> None:
                      "transformers": transformers.__version__, "commit": commit},
         "workload": {"name": "decode-1238", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                      "greedy": True, "ignore_eos": True, "threads": torch.get_num_threads()},
-        "rows": rows,
+        "rows": rows, "quality": qualities,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -84,12 +84,15 @@ class Q8Kernel:
             raise KernelUnavailable(f"building the int8 CPU kernel failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous, weight [N, K] int8, scale [N] float32 -> [M, N] float32."""
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous, packed = pack_rows(q) for q [N, K] int8, scale [N] float32
+        -> x @ (q * scale[:, None]).T, [M, N] float32."""
         m, k = x.shape
-        n = weight.shape[0]
+        n = scale.shape[0]
+        if packed.shape[1] * 8 != k or packed.shape[0] * 8 < n or not x.is_contiguous():
+            raise ValueError("q8 matmul: shapes or layout do not match")
         y = torch.empty(m, n, dtype=torch.float32)
-        self._fn(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+        self._fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
 
@@ -99,6 +102,20 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the kernel's layout [N8/8, K/8, 8, 8] (N padded with zero rows to N8)."""
+    n, k = q.shape
+    n8 = -(-n // 8) * 8
+    padded = torch.zeros(n8, k, dtype=torch.int8)
+    padded[:n] = q
+    return padded.view(n8 // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
+    b, kb, _, _ = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(b * 8, kb * 8)[:n]
 
 
 class Int8Linear(nn.Module):
@@ -112,7 +129,7 @@ class Int8Linear(nn.Module):
             raise ValueError("Int8Linear needs in_features divisible by 8")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_rows(linear.weight)
-        self.register_buffer("qweight", q)
+        self.register_buffer("qweight", pack_rows(q))  # the kernel's layout
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
@@ -120,7 +137,7 @@ class Int8Linear(nn.Module):
         self.widened = None if kernel is not None else self.dequantized()
 
     def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale[:, None]
+        return unpack_rows(self.qweight, self.out_features).float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

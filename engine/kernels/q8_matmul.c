@@ -2,16 +2,19 @@
 
    y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]
 
-   x: float32 [M, K] row-major, w: int8 [N, K] row-major (one symmetric scale per output row),
-   y: float32 [M, N]. K must be a multiple of 8.
+   x: float32 [M, K] row-major, y: float32 [M, N], scale: float32 [N] (one symmetric scale per
+   output row), w: int8 weights packed as [N/8][K/8][8 rows][8 k] (N padded to a multiple of 8
+   with zero rows; K a multiple of 8), so that a block of 8 output rows is one sequential stream
+   of 64-byte lines: the decode matmul reads memory at streaming speed.
 
    Every (m, n) dot product accumulates the same 8 lanes over k in the same order and is reduced
    the same way, whatever M is and however rows are tiled or split across threads: a row's result
    does not depend on which other rows share the batch.
 
    Output rows are split across OpenMP threads (the process's one OpenMP runtime, shared with
-   torch). Tiles of 4 activation rows x 2 weight rows keep 8 accumulators in registers; each
-   weight row pair is widened to float once per activation tile while it sits in L1. */
+   torch) in blocks of 8. Each block is tiled so that 8 accumulators stay in registers (4
+   activation rows x 2 weight rows, 2 x 4, or 1 x 8); a weight row is widened to float once per
+   activation tile while it sits in L1. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -28,43 +31,52 @@ static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* MT activation rows (1..4) against weight rows n and n+1 (n+1 may be absent: two == 0). */
-static inline __attribute__((always_inline)) void tile(const float *x, const int8_t *w, const float *scale, float *y,
-                        int m0, int MT, int n, int two, int N, int K) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-           a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-           a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
-    const int8_t *w0 = w + (int64_t)n * K, *w1 = two ? w0 + K : w0;
-    const float *x0 = x + (int64_t)m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+/* MT activation rows (1..4) against NT weight rows (NT * MT <= 8 accumulators in registers).
+   Rows past N (nvalid < NT) are padding: computed, not stored. Independent accumulators hide
+   the FMA latency: with one activation row, 8 weight rows are in flight. */
+static inline __attribute__((always_inline)) void tile(const float *x, const int8_t *w, const float *scale,
+                                                       float *y, int m0, const int MT, int n0, const int NT,
+                                                       int nvalid, int N, int K) {
+    __m256 acc[4][8];
+    const int8_t *wb = w + (int64_t)(n0 & ~7) * K + (n0 & 7) * 8;  /* this tile's rows in the block */
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    const float *xr = x + (int64_t)m0 * K;
     for (int k = 0; k < K; k += 8) {
-        __m256 v0 = widen8(w0 + k), v1 = widen8(w1 + k), xv;
-        xv = _mm256_loadu_ps(x0 + k);
-        a00 = _mm256_fmadd_ps(xv, v0, a00); a01 = _mm256_fmadd_ps(xv, v1, a01);
-        if (MT > 1) { xv = _mm256_loadu_ps(x1 + k); a10 = _mm256_fmadd_ps(xv, v0, a10); a11 = _mm256_fmadd_ps(xv, v1, a11); }
-        if (MT > 2) { xv = _mm256_loadu_ps(x2 + k); a20 = _mm256_fmadd_ps(xv, v0, a20); a21 = _mm256_fmadd_ps(xv, v1, a21); }
-        if (MT > 3) { xv = _mm256_loadu_ps(x3 + k); a30 = _mm256_fmadd_ps(xv, v0, a30); a31 = _mm256_fmadd_ps(xv, v1, a31); }
+        __m256 wv[8];
+        const int8_t *wk = wb + (int64_t)k * 8;
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) wv[j] = widen8(wk + 8 * j);
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; i++) {
+            __m256 xv = _mm256_loadu_ps(xr + (int64_t)i * K + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
     }
-    float s0 = scale[n], s1 = two ? scale[n + 1] : 0.0f;
-    float *y0 = y + (int64_t)m0 * N + n;
-    y0[0] = s0 * hsum256(a00); if (two) y0[1] = s1 * hsum256(a01);
-    if (MT > 1) { y0 += N; y0[0] = s0 * hsum256(a10); if (two) y0[1] = s1 * hsum256(a11); }
-    if (MT > 2) { y0 += N; y0[0] = s0 * hsum256(a20); if (two) y0[1] = s1 * hsum256(a21); }
-    if (MT > 3) { y0 += N; y0[0] = s0 * hsum256(a30); if (two) y0[1] = s1 * hsum256(a31); }
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++)
+            if (j < nvalid) y[(int64_t)(m0 + i) * N + n0 + j] = scale[n0 + j] * hsum256(acc[i][j]);
 }
 
-int q8_abi_version(void) { return 1; }
+int q8_abi_version(void) { return 3; }
 
 void q8_matmul(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K) {
-    int pairs = (N + 1) / 2;
+    int blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static)
-    for (int p = 0; p < pairs; p++) {
-        int n = 2 * p, two = n + 1 < N;
+    for (int b = 0; b < blocks; b++) {
+        int n0 = 8 * b, nvalid = N - n0 < 8 ? N - n0 : 8;
         int m = 0;
-        for (; m + 4 <= M; m += 4) tile(x, w, scale, y, m, 4, n, two, N, K);
+        for (; m + 4 <= M; m += 4)
+            for (int j = 0; j < 8; j += 2) tile(x, w, scale, y, m, 4, n0 + j, 2, nvalid - j, N, K);
         switch (M - m) {
-            case 3: tile(x, w, scale, y, m, 3, n, two, N, K); break;
-            case 2: tile(x, w, scale, y, m, 2, n, two, N, K); break;
-            case 1: tile(x, w, scale, y, m, 1, n, two, N, K); break;
+            case 3: for (int j = 0; j < 8; j += 2) tile(x, w, scale, y, m, 3, n0 + j, 2, nvalid - j, N, K); break;
+            case 2: for (int j = 0; j < 8; j += 4) tile(x, w, scale, y, m, 2, n0 + j, 4, nvalid - j, N, K); break;
+            case 1: tile(x, w, scale, y, m, 1, n0, 8, nvalid, N, K); break;
         }
     }
 }

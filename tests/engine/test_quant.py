@@ -7,7 +7,7 @@ from torch import nn
 
 from engine import Engine, EngineConfig, Request
 from engine.model_loader import LoadedModel, load_model
-from engine.quant import Int8Linear, KernelUnavailable, Q8Kernel, quantize_int8, quantize_rows
+from engine.quant import Int8Linear, KernelUnavailable, Q8Kernel, pack_rows, quantize_rows, unpack_rows
 from tests.helpers import greedy, run_all
 
 
@@ -26,16 +26,19 @@ def test_kernel_matches_float32_reference(kernel, m, n, k):
     x = torch.randn(m, k, generator=g)
     q, scale = quantize_rows(w)
     ref = x.double() @ (q.double() * scale.double()[:, None]).T
-    y = kernel.matmul(x, q, scale)
+    y = kernel.matmul(x, pack_rows(q), scale)
     assert y.shape == (m, n)
     err = (y.double() - ref).abs().max().item()
     print(f"m={m} n={n} k={k} max|err|={err:.2e}")
     assert err < 1e-4 * max(1.0, ref.abs().max().item())
 
 
-def test_quantize_rows_error_bound():
-    w = torch.randn(64, 96)
+def test_quantize_rows_error_bound_and_packing_round_trip():
+    w = torch.randn(61, 96)
     q, scale = quantize_rows(w)
+    packed = pack_rows(q)
+    assert packed.shape == (8, 12, 8, 8)
+    assert torch.equal(unpack_rows(packed, 61), q)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     # round-to-nearest: each weight within half a step of its row's scale
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
@@ -46,9 +49,10 @@ def test_row_results_do_not_depend_on_the_batch(kernel):
     w = torch.randn(300, 640)
     q, scale = quantize_rows(w)
     xs = torch.randn(13, 640)
-    alone = torch.stack([kernel.matmul(xs[i : i + 1].contiguous(), q, scale)[0] for i in range(13)])
+    p = pack_rows(q)
+    alone = torch.stack([kernel.matmul(xs[i : i + 1].contiguous(), p, scale)[0] for i in range(13)])
     for m in (2, 5, 8, 13):
-        batch = kernel.matmul(xs[:m].contiguous(), q, scale)
+        batch = kernel.matmul(xs[:m].contiguous(), p, scale)
         assert torch.equal(batch, alone[:m]), m  # bitwise
 
 
