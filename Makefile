@@ -21,6 +21,11 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
+	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python -m bench.throughput
 
-.PHONY: install serve test bench
+recall: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python -m bench.recall
+
+.PHONY: install serve test bench recall

@@ -325,7 +325,9 @@ def heatmaps(tables: dict, lengths, depths, cases, out: Path, tag: str) -> list[
     return paths
 
 
-def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> int:
+def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, reference=None) -> int:
+    """Runs the benchmark; `loaded` / `reference` (the float32 sdpa model for perplexity) may be
+    passed in by a caller that already holds them. Returns the exit code."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI variant (fails on an s5 recall regression)")
     ap.add_argument("--model", default="embedded")
@@ -379,8 +381,10 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None) -> in
 
         from engine.model_loader import embedded_dir
 
-        path = str(embedded_dir()) if a.model == "embedded" else a.model
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        ref = reference
+        if ref is None:
+            path = str(embedded_dir()) if a.model == "embedded" else a.model
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
         ppl = perplexity(ref, loaded.tokenizer, fid_policies, n_docs)
         del ref
     elapsed = time.perf_counter() - t_start

@@ -125,10 +125,16 @@ def shape_models(name: str, device: str, dtype: torch.dtype):
     return model, hf
 
 
-def copy_bandwidth(device: str) -> float | None:
-    """Device-to-device copy bandwidth (read + write bytes per second) of a large copy."""
+def copy_bandwidth(device: str) -> float:
+    """Copy bandwidth (read + write bytes per second) of a large copy on the device."""
     if not device.startswith("cuda"):
-        return None
+        src = torch.ones(1 << 30, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        return 2 * 5 * src.numel() / (time.perf_counter() - t0)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -139,6 +145,21 @@ def copy_bandwidth(device: str) -> float | None:
     end.record()
     torch.cuda.synchronize()
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1000)
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer, except an input
+    embedding table that is not also the output layer (a lookup reads one row per token)."""
+    seen, total = set(), 0
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = getattr(head, "weight", None) is emb
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen or (t is emb and not tied):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
 
 
 def cpu_name() -> str:
@@ -185,6 +206,7 @@ def main() -> None:
                     help="policies for the float32 weights when int8 runs too (default: s5)")
     ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall of quantized weights")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="", help="suffix for the result file name")
     a = ap.parse_args()
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
@@ -206,8 +228,7 @@ def main() -> None:
         path = str(embedded_dir()) if a.model == "embedded" else a.model
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
     loaded = next(iter(engines.values()))
-    weight_bytes = {w: sum(t.numel() * t.element_size() for t in [*m.model.parameters(), *m.model.buffers()])
-                    for w, m in engines.items()}
+    weight_bytes = {w: step_weight_bytes(m.model) for w, m in engines.items()}
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
@@ -260,7 +281,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if a.device.startswith("cuda") else "cpu"
-    name = f"throughput-{tag}-{a.shape + '-' if a.shape else ''}{date.today().isoformat()}.json"
+    name = f"throughput-{tag}-{a.shape + '-' if a.shape else ''}{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
     path = out / name
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

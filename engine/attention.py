@@ -22,6 +22,11 @@ import torch.nn.functional as F
 from engine.kv_policy import ring_slot, ring_survives
 from engine.kv_rows import RowPool
 
+# A prefill chunk longer than this attends in query blocks of this many tokens, each against only
+# the keys its queries can see: under a causal mask, and more so under a sliding window, most of
+# a long chunk's query x key grid is masked, and SDPA with an explicit mask computes all of it.
+QUERY_BLOCK = 256
+
 
 @dataclass(frozen=True)
 class ForwardChunk:
@@ -42,6 +47,9 @@ class _Group:
     gather: dict[bool, torch.Tensor]  # paged? -> [B, L_res] storage slots
     staged_rows: list[int | None]  # B == 1 groups: row whose staging joins the keys
     masks: dict[tuple[bool, int | None], torch.Tensor]  # (paged, attn_window) -> [B, 1, T, L]
+    # long single-chunk groups: (paged, attn_window) -> [(t0, t1, keys, mask)], query blocks that
+    # each attend only to the keys their rows can see (keys: a slice or an index tensor into L)
+    blocks: dict[tuple[bool, int | None], list] | None = None
 
 
 class StepAttention:
@@ -110,7 +118,7 @@ class StepAttention:
             gather[paged] = slots.to(dev)
             key_pos[paged] = torch.cat([pos, *extra], dim=1)  # [B, L]
         fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None]
-        masks = {}
+        masks, blocks = {}, {}
         for paged, attn_window in classes:
             k = key_pos[paged][:, None, :]  # [B, 1, L]
             q = q_pos[:, :, None]  # [B, T, 1]
@@ -123,8 +131,34 @@ class StepAttention:
             # faster there); on CUDA the unmasked path measured 16x slower for these shapes.
             unmasked = dev.type == "cpu" and bool(m.all())
             masks[(paged, attn_window)] = None if unmasked else m[:, None].to(dev)
+            if len(chunks) == 1 and tmax > QUERY_BLOCK:
+                blocks[(paged, attn_window)] = self._query_blocks(chunks[0], paged, attn_window, m[0], dev)
         lo = offsets[0]
-        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks)
+        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None)
+
+    def _query_blocks(self, c: ForwardChunk, paged: bool, attn_window: int | None, m: torch.Tensor, dev) -> list:
+        """Query blocks of one long chunk. Keys on a paged layer are positions 0..end-1 in order;
+        on a ring layer, the ring's slots then a contiguous run of positions (staging + new)."""
+        out = []
+        head = 0 if paged else self.pool.ring_slots  # keys before the contiguous run
+        run_start = c.start + c.num_tokens - (m.shape[-1] - head)  # position of the run's first key
+        for t0 in range(0, c.num_tokens, QUERY_BLOCK):
+            t1 = min(t0 + QUERY_BLOCK, c.num_tokens)
+            lo_pos = run_start if attn_window is None else max(run_start, c.start + t0 - attn_window + 1)
+            hi_pos = c.start + t1  # exclusive
+            lo, hi = head + lo_pos - run_start, head + hi_pos - run_start
+            if paged:
+                keys = slice(lo, hi)
+                mb = m[t0:t1, lo:hi]
+            else:
+                idx = torch.cat([torch.arange(head), torch.arange(lo, hi)])
+                keys = idx.to(dev)
+                mb = m[t0:t1].index_select(-1, idx)
+            # every key a block's queries can see is inside its keys: the rest is masked anyway
+            assert int(m[t0:t1].sum()) == int(mb.sum()), "query block dropped a visible key"
+            unmasked = dev.type == "cpu" and bool(mb.all())
+            out.append((t0, t1, keys, None if unmasked else mb[None, None].to(dev)))
+        return out
 
     def _build_writes(self, offsets, dev) -> None:
         pool = self.pool
@@ -202,8 +236,12 @@ class StepAttention:
                 k = torch.cat(keys, dim=1).transpose(1, 2)  # [B, Hkv, L, D]
                 v = torch.cat(vals, dim=1).transpose(1, 2)
             q = q_all[:, g.lo : g.hi].unflatten(1, (g.batch, -1)).transpose(0, 1)  # [B, H, T, D]
-            mask = g.masks[(lay.paged, lay.attn_window)]
-            o = _sdpa(q, k, v, mask, scaling, softcap)  # [B, H, T, D]
+            blocks = g.blocks.get((lay.paged, lay.attn_window)) if g.blocks else None
+            if blocks:
+                o = torch.cat([_sdpa(q[:, :, t0:t1], _keys(k, keys), _keys(v, keys), mb, scaling, softcap)
+                               for t0, t1, keys, mb in blocks], dim=2)
+            else:
+                o = _sdpa(q, k, v, g.masks[(lay.paged, lay.attn_window)], scaling, softcap)  # [B, H, T, D]
             outs.append(o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T_total, H, D]
         if not lay.paged:
@@ -238,6 +276,11 @@ def _gather(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """store[slots] for 2-D slots [B, L] -> [B, L, Hkv, D]; index_select copies whole rows and
     ran ~5x faster than advanced indexing for these shapes on the CPU."""
     return store.index_select(0, slots.reshape(-1)).unflatten(0, slots.shape)
+
+
+def _keys(k: torch.Tensor, keys) -> torch.Tensor:
+    """k [B, Hkv, L, D] restricted to a query block's keys (a slice, or an index tensor)."""
+    return k[:, :, keys] if isinstance(keys, slice) else k.index_select(2, keys)
 
 
 def _sdpa(q, k, v, mask, scaling, softcap):

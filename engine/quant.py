@@ -134,10 +134,13 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
         self.blas_min_rows = BLAS_MIN_ROWS if q.numel() <= BLAS_MAX_WEIGHTS else None
+        # row-major int8 beside the packed copy, so widening for BLAS is one pass (small weights only)
+        self.qrows = q if self.blas_min_rows is not None else None
         self.widened = None if kernel is not None else self.dequantized()
 
     def dequantized(self) -> torch.Tensor:
-        return unpack_rows(self.qweight, self.out_features).float() * self.scale[:, None]
+        q = self.qrows if self.qrows is not None else unpack_rows(self.qweight, self.out_features)
+        return q * self.scale[:, None]  # int8 * float32 -> float32 in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

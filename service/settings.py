@@ -40,7 +40,9 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--kv-cache-bytes", type=int, default=_env("KV_CACHE_BYTES", d.kv_cache_bytes, int))
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_BATCHED_TOKENS", d.max_num_batched_tokens, int))
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
-    p.add_argument("--quantization", default=_env("QUANTIZATION", None), choices=[None, "int8", "bnb-4bit"])
+    p.add_argument("--quantization", default=_env("QUANTIZATION", "auto"), choices=["auto", "none", "int8", "bnb-4bit"],
+                   help="weights: auto (int8 on the CPU with float32 dtype, else none), none, int8 (CPU), "
+                        "bnb-4bit (CUDA)")
     p.add_argument("--queue-size", type=int, default=_env("QUEUE_SIZE", 256, int))
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted API key (repeatable); S5_API_KEYS takes a comma-separated list")
@@ -50,11 +52,14 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     a = p.parse_args(argv)
+    quantization = None if a.quantization == "none" else a.quantization
+    if quantization == "auto":
+        quantization = "int8" if a.device == "cpu" and a.dtype == "float32" else None
     engine = EngineConfig(
         model=a.model, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy, kv_sink=a.sink,
         kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        quantization=a.quantization,
+        quantization=quantization,
     )
     keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
     return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,

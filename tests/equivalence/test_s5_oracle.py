@@ -97,6 +97,27 @@ def test_tiny_multiturn_mixed_batches_match_oracle(policy, seed):
     print(f"\n{policy} seed={seed}: {n} steps, max |diff| {worst:.2e}")
 
 
+@pytest.mark.parametrize("policy", ["s5", "native", "full"])
+@pytest.mark.parametrize("budget", [7, 40])
+def test_query_blocks_of_long_chunks_match_oracle(policy, budget, monkeypatch):
+    """Long prefill chunks attend in query blocks (each against only the keys it can see); with
+    4-token blocks every chunk here is split, across staging, windows and later turns."""
+    from engine import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+    sink, window = 2, 5
+    rng = random.Random(budget)
+    engine = Engine(
+        EngineConfig(model="tiny-random", kv_policy=policy, kv_sink=sink, kv_window=window,
+                     max_num_batched_tokens=budget, kv_cache_bytes=1 << 22, max_rows=8),
+        tiny_loaded(2),
+    )
+    turns = [[rng.randrange(5, 45) for _ in range(3)] for _ in range(4)]
+    results, rec = run_sessions(engine, turns, rng)
+    worst, n = check_against_oracle(engine, tiny_reference(2), results, rec, policy, sink, window, 2e-4)
+    print(f"\n{policy} budget={budget} (query blocks of 4): {n} steps, max |diff| {worst:.2e}")
+
+
 def test_tiny_without_sliding_layers_is_exact_under_every_policy():
     overrides = dict(num_hidden_layers=3, layer_types=["full_attention"] * 3)
     tokens = {}

@@ -1,0 +1,30 @@
+"""`python -m bench.recall --quick` as CI runs it, on the server's default weights (int8): it must
+exit 0 (no cell where s5 recalls more than one case fewer than native), and its figures must show
+the model recalling, s5 keeping native's recall, and the control (sink+window on every layer,
+full-attention layers included) losing it, so the benchmark can tell policies apart."""
+
+import json
+
+import pytest
+
+from bench import recall
+from engine import EngineConfig
+from engine.model_loader import load_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_recall_quick(embedded_dir, embedded_reference, tmp_path):
+    loaded = load_model(EngineConfig(model="embedded", quantization="int8"))
+    code = recall.main(["--quick", "--out", str(tmp_path)], loaded=loaded, reference=embedded_reference)
+    (path,) = tmp_path.glob("recall-quick-*.json")
+    res = json.loads(path.read_text())
+    total = len(res["lengths"]) * len(res["depths"]) * res["cases_per_cell"]
+    got = {p: sum(sum(row.values()) for row in res["needle_recall"][p].values()) for p in res["policies"]}
+    print(f"\nquick needle recall of {total}: {got}; multi-turn {res['multi_turn_recall']}; "
+          f"perplexity {res['perplexity']}; regressions {res['regressions']}")
+    assert code == 0, res["regressions"]
+    assert got["native"] >= total // 2, "the model itself should recall most needles"
+    assert got["s5"] >= got["native"] - 1
+    assert got["control"] <= total // 4, "the control should lose most needles"
+    assert res["perplexity"]["native"] < res["perplexity"]["control"]

@@ -1,0 +1,14 @@
+"""Server flags: the weight precision the server picks by default, and explicit choices."""
+
+from service.settings import parse_serve_args
+
+
+def test_default_weights_are_int8_on_cpu_float32():
+    assert parse_serve_args([]).engine.quantization == "int8"
+
+
+def test_explicit_and_non_cpu_choices():
+    assert parse_serve_args(["--quantization", "none"]).engine.quantization is None
+    assert parse_serve_args(["--dtype", "bfloat16"]).engine.quantization is None
+    assert parse_serve_args(["--device", "cuda"]).engine.quantization is None
+    assert parse_serve_args(["--device", "cuda", "--quantization", "bnb-4bit"]).engine.quantization == "bnb-4bit"
