@@ -13,8 +13,8 @@ window; and the control, sink+window on every layer, full-attention layers inclu
    then 512 tokens each scored from its own forward (the decode regime, the hardest for s5). The
    logits come from a full recompute under each policy's mask (DESIGN.md section 1), which the
    engine matches step by step (tests/equivalence/test_s5_oracle.py).
-4. Greedy agreement: 64 greedy tokens through the engine from corpus prompts, compared position by
-   position with native's.
+4. Greedy agreement: 64 greedy tokens through the engine from corpus prompts (768 tokens), compared
+   position by position with native's.
 
 Prints tables, writes JSON (and, with matplotlib installed, one depth x length heatmap per policy)
 to bench/results/. `--quick` is the CI variant: it exits non-zero if any cell has s5 recall
@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
                     help="policies for perplexity and agreement (default: --policies, plus s5-w256 in the full run)")
     ap.add_argument("--gaps", type=int, nargs="+", help="unrelated turns between needle and question")
     ap.add_argument("--agreement-prompts", type=int)
+    ap.add_argument("--agreement-len", type=int, default=768, help="prompt tokens for greedy agreement")
     ap.add_argument("--ppl-docs", type=int)
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -370,9 +371,9 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
 
     greedy_by_policy = {}
     if n_agree:
-        prompts = agreement_prompts(loaded.tokenizer, n_agree, 1024)
+        prompts = agreement_prompts(loaded.tokenizer, n_agree, a.agreement_len)
         for p in fid_policies:
-            greedy_by_policy[p] = greedy_tokens(loaded, policy_config(p, base, 1100, loaded), prompts)
+            greedy_by_policy[p] = greedy_tokens(loaded, policy_config(p, base, a.agreement_len + 64, loaded), prompts)
     agree = {p: agreement(greedy_by_policy[p], greedy_by_policy["native"]) for p in greedy_by_policy
              if "native" in greedy_by_policy}
     ppl = {}
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
         "needle_recall": tables, "needle_by_kind": by_kind, "needle_by_filler": by_filler,
         "multi_turn_recall": mt_by_gap, "multi_turn_cases_per_gap": max(2, cases),
         "perplexity": ppl, "perplexity_regime": "1024-token prefix forward, then 512 tokens one forward each",
-        "greedy_agreement_vs_native": agree, "agreement_new_tokens": 64,
+        "greedy_agreement_vs_native": agree, "agreement_new_tokens": 64, "agreement_prompt_tokens": a.agreement_len,
         "regressions": bad, "runtime_s": elapsed, "heatmaps": pngs,
     }
     path = out / f"recall-{tag}-{date.today().isoformat()}.json"

@@ -13,6 +13,7 @@ possibly the last one (a sampled token is fed only by the next forward), so a ne
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -32,6 +33,8 @@ from engine.model_runner import ModelRunner, RunnerInput
 from engine.sampler import greedy_batch, make_generator, sample
 from engine.scheduler import Scheduler, SchedRequest
 from engine.types import EngineError, FinishReason, Request, RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,8 +103,9 @@ class Engine:
         self.evicted: OrderedDict[str, str] = OrderedDict()
         self._live: dict[str, _Live] = {}
         self._seeds = itertools.count(config.seed * 1_000_003)
-        # Observer of every sampled distribution: (request_id, position of the last fed token,
-        # logits). Tests and fidelity benchmarks use it; None in serving.
+        # Called with every row's logits before sampling: (request_id, position of the last fed
+        # token, logits [vocab], a view). Tests use it to record logits and to inject faults (an
+        # altered row or an exception fails that request only). None in serving.
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "evictions_lru": 0}
 
@@ -320,20 +324,36 @@ class Engine:
             logits, owners = self.runner.run(inputs)
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
-        greedy_rows = [j for j, n in enumerate(owners) if lives[n].request.params.greedy]
+        # From here on a failure belongs to one request: it ends with an error, the rest go on.
+        failed: dict[int, str] = {}
+        if self.logits_hook is not None:
+            for j, n in enumerate(owners):
+                try:
+                    self.logits_hook(lives[n].request.request_id, self.pool.kv_len(lives[n].row) - 1, logits[j])
+                except Exception as exc:
+                    failed[j] = f"logits hook failed: {exc}"
+        greedy_rows = [j for j, n in enumerate(owners) if lives[n].request.params.greedy and j not in failed]
         picked: dict[int, tuple[int, bool]] = {}
         if greedy_rows:  # all greedy rows in one device call
             tokens, finite = greedy_batch(logits[greedy_rows] if len(greedy_rows) < len(owners) else logits)
             picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
         outputs = []
         for j, n in enumerate(owners):
-            outputs.append(self._apply(lives[n], logits[j], picked.get(j)))
+            live = lives[n]
+            if j in failed:
+                outputs.append(self._finish(live, FinishReason.ERROR, error=failed[j]))
+                continue
+            try:
+                outputs.append(self._apply(live, logits[j], picked.get(j)))
+            except Exception as exc:  # detokenizer or bookkeeping: this request only
+                if live.request.request_id not in self._live:
+                    raise  # it failed while ending: the engine's own state is in doubt
+                log.exception("request %s failed in its step", live.request.request_id)
+                outputs.append(self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}"))
         return outputs
 
     def _apply(self, live: _Live, logits: torch.Tensor, greedy: tuple[int, bool] | None) -> RequestOutput:
         params = live.request.params
-        if self.logits_hook is not None:
-            self.logits_hook(live.request.request_id, self.pool.kv_len(live.row) - 1, logits)
         try:
             if greedy is not None:
                 token, finite = greedy

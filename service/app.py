@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -36,6 +37,8 @@ class AppState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.fatal: str | None = None  # the engine loop died: the process should exit non-zero
+        self.on_fatal: Callable[[], None] | None = None  # set by the server runner (cli.py)
 
 
 def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None) -> FastAPI:
@@ -44,7 +47,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [asyncio.create_task(_start(state, loaded)), asyncio.create_task(_expire(state))]
+        tasks = [asyncio.create_task(_start(state, loaded)), asyncio.create_task(_expire(state)),
+                 asyncio.create_task(_watch(state))]
         try:
             yield
         finally:
@@ -81,6 +85,23 @@ async def _start(state: AppState, loaded: LoadedModel | None) -> None:
     except Exception as exc:  # readiness stays 503 and says why
         log.exception("startup failed")
         state.load_error = str(exc)
+
+
+async def _watch(state: AppState, period: float = 0.2, settle: float = 1.0) -> None:
+    """If the engine loop dies, /health and /ready already answer 503 (they read the worker) and
+    every stream has ended with an error event; refuse new work, give those events a moment to
+    reach their clients, then ask the server to exit (non-zero) so a supervisor restarts it."""
+    while True:
+        await asyncio.sleep(period)
+        worker = state.worker
+        if worker is not None and worker.error is not None:
+            state.fatal = f"engine failed: {worker.error}"
+            state.draining = True
+            log.critical("%s; shutting down for a restart", state.fatal)
+            await asyncio.sleep(settle)
+            if state.on_fatal is not None:
+                state.on_fatal()
+            return
 
 
 async def _expire(state: AppState) -> None:

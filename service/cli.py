@@ -26,8 +26,9 @@ def _serve(argv: list[str]) -> int:
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                            timeout_graceful_shutdown=int(settings.drain_grace_s) + 5),
                             app.state.s5)
+    app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1
     server.run()
-    return 1 if app.state.s5.worker is not None and app.state.s5.worker.error is not None else 0
+    return 1 if app.state.s5.fatal or (app.state.s5.worker is not None and app.state.s5.worker.error is not None) else 0
 
 
 def _drain_server_class():
