@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -48,7 +49,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(_start(state, loaded)), asyncio.create_task(_expire(state)),
-                 asyncio.create_task(_watch(state))]
+                 asyncio.create_task(_watch(state)), asyncio.create_task(_loop_lag(state))]
         try:
             yield
         finally:
@@ -80,6 +81,10 @@ async def _start(state: AppState, loaded: LoadedModel | None) -> None:
         stream = await worker.generate(Request("warmup", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
         async for _ in stream:
             pass
+        # Everything allocated so far (model, tokenizer, engine) lives as long as the process: move
+        # it out of the collector's view so full collections stay short while serving.
+        gc.collect()
+        gc.freeze()
         state.ready = True
         log.info("s5serve ready: model %s, kv policy %s", state.model_name, state.settings.engine.kv_policy)
     except Exception as exc:  # readiness stays 503 and says why
@@ -102,6 +107,16 @@ async def _watch(state: AppState, period: float = 0.2, settle: float = 1.0) -> N
             if state.on_fatal is not None:
                 state.on_fatal()
             return
+
+
+async def _loop_lag(state: AppState, period: float = 0.02) -> None:
+    """Measures how late the event loop wakes a timer: anything that blocks the loop (a
+    synchronous call in a route, a slow serializer) shows up here and in /metrics."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(period)
+        state.metrics.observe_loop_lag(max(0.0, loop.time() - t0 - period))
 
 
 async def _expire(state: AppState) -> None:

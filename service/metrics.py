@@ -26,6 +26,10 @@ class Metrics:
         self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
+        self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
+        self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
+        self._lag_max = 0.0
         self._lru_seen = 0
 
     def on_step(self, engine, outputs, seconds: float) -> None:
@@ -42,6 +46,12 @@ class Metrics:
         if lru > self._lru_seen:
             self.evictions.labels("lru").inc(lru - self._lru_seen)
             self._lru_seen = lru
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+        if seconds > self._lag_max:
+            self._lag_max = seconds
+            self.loop_lag_max.set(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

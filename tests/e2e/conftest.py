@@ -1,7 +1,11 @@
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -67,6 +71,43 @@ class LiveServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(15)
+
+
+@contextmanager
+def server_process(log_path, *args: str):
+    """A real `s5serve serve` process on a free port; yields (process, url) once it is ready."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args],
+                            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("server never became ready: " + open(log_path).read())
+        if proc.poll() is not None:
+            raise AssertionError("server exited: " + open(log_path).read())
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of /metrics, 0.0 when absent."""
+    want = name + ("{" + labels + "}" if labels else "")
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if not line.startswith("#") and line.rsplit(" ", 1)[0] == want:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 @pytest.fixture(scope="session")
