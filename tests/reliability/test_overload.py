@@ -1,10 +1,18 @@
 """Overload: arrivals at ten times what a real `s5serve serve` process admits. The queue stays
 bounded, the excess gets 429 with Retry-After, every admitted request completes, the server's
 memory stays flat across waves, and its event loop is never blocked for more than 50 ms
-(measured by the server itself: /metrics s5_event_loop_lag_seconds)."""
+(measured by the server itself: /metrics s5_event_loop_lag_seconds).
+
+The load comes from a separate process at lower CPU priority (`nice 10`): in production clients
+are elsewhere, and on a two-core test machine a load generator at equal priority takes the
+server's cores away for longer than the 50 ms being measured."""
 
 import asyncio
+import json
+import os
 import resource
+import subprocess
+import sys
 import time
 
 import httpx
@@ -53,9 +61,9 @@ async def idle(url: str) -> None:
     raise AssertionError("server did not go idle")
 
 
-async def test_ten_times_capacity(tmp_path):
-    with server_process(tmp_path / "log", "--model", "tiny-random:0", "--rows", "4", "--queue-size", "8",
-                        "--kv-cache-bytes", str(1 << 22)) as (proc, url):
+def measure(url: str, pid: int) -> dict:
+    """The load generator's side (run in its own process): waves, lag window, RSS."""
+    async def run():
         await wave(url, 4)  # warm
         await idle(url)
         lag_n0, lag_ok0 = lag_counts(url)
@@ -63,12 +71,25 @@ async def test_ten_times_capacity(tmp_path):
         for _ in range(4):
             results += await wave(url, 80)
             await idle(url)
-            rss.append(rss_bytes(proc.pid))
-        lat = sorted(r for r in results if r is not None)
-        admitted, rejected = len(lat), len(results) - len(lat)
-        p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+            rss.append(rss_bytes(pid))
         lag_n1, lag_ok1 = lag_counts(url)
-        lag_n, lag_over = lag_n1 - lag_n0, (lag_n1 - lag_n0) - (lag_ok1 - lag_ok0)
+        return {"results": results, "rss": rss, "lag_n": lag_n1 - lag_n0,
+                "lag_over": (lag_n1 - lag_n0) - (lag_ok1 - lag_ok0)}
+    return asyncio.run(run())
+
+
+def test_ten_times_capacity(tmp_path):
+    with server_process(tmp_path / "log", "--model", "tiny-random:0", "--rows", "4", "--queue-size", "8",
+                        "--kv-cache-bytes", str(1 << 22)) as (proc, url):
+        code = f"import json; from tests.reliability.test_overload import measure; print(json.dumps(measure({url!r}, {proc.pid})))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             preexec_fn=lambda: os.nice(10))
+        assert out.returncode == 0, out.stderr[-3000:]
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        lat = sorted(r for r in res["results"] if r is not None)
+        admitted, rejected = len(lat), len(res["results"]) - len(lat)
+        p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        lag_n, lag_over, rss = res["lag_n"], res["lag_over"], res["rss"]
         growth = rss[-1] - rss[0]
         print(f"\n320 requests in 4 waves of 80 (queue bound 8): admitted {admitted}, 429 {rejected}; "
               f"admitted p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; event loop wake-ups over 50 ms late: "
