@@ -29,6 +29,10 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
     max_num_seqs: int | None = None  # rows in one step; defaults to max_rows
+    # Decode-only steps as fixed-size batches replayed from CUDA graphs (decode_graph.py). None:
+    # on for CUDA, off for the CPU; True on the CPU runs the same static step uncaptured.
+    decode_graphs: bool | None = None
+    max_graph_batch: int = 256  # the largest decode batch captured (larger steps run eagerly)
     seed: int = 0  # seeds requests that carry no seed of their own
     cache_dir: str | None = None  # conversion cache for the embedded model
 
@@ -43,7 +47,7 @@ class EngineConfig:
             raise ValueError("int8 quantization is the CPU path; use bnb-4bit on CUDA")
         if self.quantization == "bnb-4bit" and not self.device.startswith("cuda"):
             raise ValueError("bnb-4bit quantization needs a CUDA device")
-        for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens"):
+        for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens", "max_graph_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_sink < 0:
@@ -54,3 +58,9 @@ class EngineConfig:
     @property
     def num_seqs_per_step(self) -> int:
         return self.max_num_seqs or self.max_rows
+
+    @property
+    def static_decode_batch(self) -> int:
+        """Rows of the largest static decode batch; 0 when static decode is off."""
+        on = self.decode_graphs if self.decode_graphs is not None else self.device.startswith("cuda")
+        return min(self.num_seqs_per_step, self.max_graph_batch) if on else 0

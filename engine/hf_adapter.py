@@ -9,7 +9,7 @@ model's ordinary forward with:
   * `attention_mask` as an already-built per-layer-type mapping of None, so the model builds no
     mask (our attention applies the restored-S5 mask itself),
   * `use_cache=False`: K/V live in the engine's RowPool, which the attention reads and writes,
-  * `s5_step`: the step's StepAttention, which transformers passes through to attention functions,
+  * `s5_step`: the step's StepAttention (or a static decode's DecodeBatch), which transformers passes through to attention functions,
   * the output layer applied by us to the sampled positions only (the base model returns hidden
     states): with several rows, `W @ h.T` runs ~1.6x faster than `h @ W.T` for the 262k-vocabulary
     Gemma head on a 2-core CPU (measured), and the results agree to float rounding.
@@ -18,6 +18,7 @@ model's ordinary forward with:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -25,11 +26,14 @@ from transformers import AttentionInterface, PreTrainedModel
 from engine.attention import StepAttention
 from engine.kv_policy import FULL_ATTENTION, SLIDING_ATTENTION
 
+if TYPE_CHECKING:
+    from engine.decode_graph import DecodeBatch
+
 ATTENTION_NAME = "s5serve_rows"
 
 
 def _row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step: StepAttention | None = kwargs.get("s5_step")
+    step: StepAttention | DecodeBatch | None = kwargs.get("s5_step")
     if step is None:
         raise RuntimeError("s5serve row attention called outside an engine step")
     softcap = getattr(module, "attn_logit_softcapping", None)
@@ -79,8 +83,8 @@ def forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,  # [T_total] packed
     positions: torch.Tensor,  # [T_total]
-    step: StepAttention,
-    logits_index: torch.Tensor,  # [n] packed indices to compute logits for
+    step: StepAttention | DecodeBatch,
+    logits_index: torch.Tensor | None,  # [n] packed indices to compute logits for; None: all
     layer_kinds: frozenset[str],  # the model's layer types (geometry(model).layer_types)
 ) -> torch.Tensor:
     """Logits [n, vocab] (float32) of the tokens at `logits_index`."""
@@ -92,7 +96,9 @@ def forward(
         use_cache=False,
         s5_step=step,
     )
-    hidden = out.last_hidden_state[0, logits_index]  # [n, hidden]
+    hidden = out.last_hidden_state[0]  # [T_total, hidden]
+    if logits_index is not None:
+        hidden = hidden[logits_index]  # [n, hidden]
     return output_logits(model, hidden)
 
 

@@ -2,8 +2,10 @@
 
 Storage, per decoder layer (K and V alike), token-major so any set of positions is one gather:
 
-    paged layer   [num_blocks * block_size, num_kv_heads, head_dim]   block 0 is the zero block
-    ring layer    [num_rows * ring_slots,   num_kv_heads, head_dim]   ring_slots = sink + window
+    paged layer   [num_blocks * block_size + 1, num_kv_heads, head_dim]   block 0 is the zero block
+    ring layer    [(num_rows + 1) * ring_slots, num_kv_heads, head_dim]   ring_slots = sink + window
+
+(the last paged slot and ring row are scratch: see `scratch_paged_slot`).
 
 A row is one session (or one stateless request). It owns a list of blocks (paged layers keep every
 position, so memory follows the row's length) and a fixed run of ring slots (bounded layers keep
@@ -96,10 +98,14 @@ class RowPool:
         self.block_bytes = 2 * block_size * token_bytes * len(self.paged_layers)
         self.ring_row_bytes = 2 * self.ring_slots * token_bytes * len(self.ring_layers)
 
+        # One scratch place per layout, never owned by a row: the last paged slot and the ring row
+        # `num_rows`. Padding lanes of a fixed-size decode batch (decode_graph.py) write there.
+        self.scratch_paged_slot = num_blocks * block_size
+        self.scratch_ring_row = num_rows
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for lay in layouts:
-            n = num_blocks * block_size if lay.paged else num_rows * self.ring_slots
+            n = num_blocks * block_size + 1 if lay.paged else (num_rows + 1) * self.ring_slots
             # Zeroed: padding gathers read block 0 and empty ring slots, and masked keys must
             # still be finite (0 * NaN would poison the softmax).
             shape = (n, num_kv_heads, head_dim)  # [slots, Hkv, D]
@@ -257,9 +263,10 @@ class RowPool:
         return {"paged": paged, "ring": ring, "staging": staging, "total": paged + ring + staging}
 
     def allocated_bytes(self) -> int:
-        """Bytes of K/V storage, less the reserved zero block."""
+        """Bytes of K/V storage, less the reserved zero block and the scratch places."""
         total = sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
-        return total - (self.block_bytes if self.paged_layers else 0)
+        scratch = 2 * self.token_bytes * (len(self.paged_layers) + self.ring_slots * len(self.ring_layers))
+        return total - scratch - (self.block_bytes if self.paged_layers else 0)
 
     def used_rows(self) -> list[int]:
         return sorted(self._rows)

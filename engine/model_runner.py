@@ -1,4 +1,5 @@
-"""ModelRunner: one batched forward per step over ragged rows."""
+"""ModelRunner: one batched forward per step over ragged rows; decode-only steps may take the
+static (CUDA graph) path of decode_graph.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from engine import hf_adapter
 from engine.attention import ForwardChunk, StepAttention
+from engine.decode_graph import GraphDecoder
 from engine.kv_rows import RowPool
 
 
@@ -19,16 +21,24 @@ class RunnerInput:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: RowPool) -> None:
+    def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
+                 capture: bool = False) -> None:
+        """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
+        of decode_graph.py, captured as CUDA graphs when `capture`."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
         self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
+        self.decoder = None
+        if static_decode:
+            self.decoder = GraphDecoder(model, pool, self.layer_kinds, static_decode, max_model_len, capture)
 
     def run(self, inputs: list[RunnerInput]) -> tuple[torch.Tensor, list[int]]:
-        """Runs the step; returns logits [n, vocab] (float32, on the device) and, for each of
-        the n rows, the index into `inputs` it belongs to."""
+        """Runs the step; returns logits [n, vocab] (float32, on the device; valid until the next
+        step) and, for each of the n rows, the index into `inputs` it belongs to."""
+        if self.decoder is not None and self.decoder.accepts(inputs):
+            return self.decoder.run(inputs)
         step = StepAttention(self.pool, [i.chunk for i in inputs])
         by_chunk = {id(i.chunk): (n, i) for n, i in enumerate(inputs)}
         ids: list[int] = []

@@ -82,19 +82,25 @@ def check_against_oracle(engine, ref_model, results, rec, policy, sink, window, 
 
 
 @pytest.mark.parametrize("policy", ["s5", "sink-window", "native", "full"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tiny_multiturn_mixed_batches_match_oracle(policy, seed):
+@pytest.mark.parametrize(("seed", "static"), [(0, False), (1, False), (0, True)], ids=["eager-0", "eager-1", "static-0"])
+def test_tiny_multiturn_mixed_batches_match_oracle(policy, seed, static):
+    """`static`: decode-only steps take the fixed-size decode path (decode_graph.py, uncaptured on
+    the CPU, with the reference decode attention), padded to buckets, at most 3 rows a batch."""
     sink, window = 2, 5
     rng = random.Random(seed)
     engine = Engine(
         EngineConfig(model="tiny-random", kv_policy=policy, kv_sink=sink, kv_window=window,
-                     max_num_batched_tokens=rng.choice([7, 16, 64]), kv_cache_bytes=1 << 22, max_rows=8),
+                     max_num_batched_tokens=rng.choice([7, 16, 64]), kv_cache_bytes=1 << 22, max_rows=8,
+                     decode_graphs=static, max_graph_batch=3),
         tiny_loaded(seed),
     )
     turns = [[rng.randrange(1, 40) for _ in range(3 + rng.randrange(2))] for _ in range(5)]
-    results, rec = run_sessions(engine, turns, rng)
+    results, rec = run_sessions(engine, turns, rng, max_tokens=14 if static else 6)
     worst, n = check_against_oracle(engine, tiny_reference(seed), results, rec, policy, sink, window, 2e-4)
-    print(f"\n{policy} seed={seed}: {n} steps, max |diff| {worst:.2e}")
+    decoder = engine.runner.decoder
+    assert (decoder is not None and decoder.steps >= 10) == static
+    print(f"\n{policy} seed={seed} {'static' if static else 'eager'}: {n} steps"
+          f"{f' ({decoder.steps} static)' if static else ''}, max |diff| {worst:.2e}")
 
 
 @pytest.mark.parametrize("policy", ["s5", "native", "full"])

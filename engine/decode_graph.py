@@ -1,0 +1,169 @@
+"""Static decode steps: a decode-only step runs a fixed-size batch whose inputs live in device
+tensors, so the whole forward (every layer, the output layer) is captured once per batch size
+as a CUDA graph and replayed with one launch.
+
+A step qualifies when every scheduled row feeds exactly one token as a complete forward (a decode,
+or a one-token turn) and it asks for logits. The batch is padded to the next bucket size; padding
+lanes read the zero block and write only the pool's scratch places, so they touch no row.
+
+Per step the host writes one small int64 tensor (token ids, positions, rows, the K/V write slots
+on paged and ring layers) and copies it to the device without a sync; block tables live in a
+device mirror that is rewritten only for rows whose blocks changed. Attention runs the ragged
+decode kernels of `kernels/decode_attention.py` straight on the pool's storage. The host books
+(kv_len, ring positions) are committed exactly as the eager path commits them.
+
+On the CPU the same step runs without capture (`EngineConfig.decode_graphs=True`); tests use it
+to hold the static path to the eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import hf_adapter
+from engine.kernels.decode_attention import decode_attention, splits_for
+from engine.kv_policy import ring_slot
+from engine.kv_rows import RowPool
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def buckets_upto(max_batch: int) -> list[int]:
+    return sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+
+
+class DecodeBatch:
+    """The step attention (`s5_step`) of a static decode of `size` lanes."""
+
+    IDS, POS, ROWS, PAGED_SLOT, RING_SLOT = range(5)
+
+    def __init__(self, pool: RowPool, size: int, table: torch.Tensor, splits: int) -> None:
+        self.pool = pool
+        self.size = size
+        self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
+        self.splits = splits
+        dev = pool.device
+        self.inputs = torch.zeros((5, size), dtype=torch.long, device=dev)
+        self.ids, self.pos, self.rows, self.paged_slot, self.ring_slot = self.inputs.unbind(0)
+        self.padding = torch.zeros((5, size), dtype=torch.long)
+        self.padding[self.ROWS] = pool.scratch_ring_row
+        self.padding[self.PAGED_SLOT] = pool.scratch_paged_slot
+        self.padding[self.RING_SLOT] = pool.scratch_ring_row * pool.ring_slots
+        self.host = self.padding.clone().pin_memory() if dev.type == "cuda" else self.padding.clone()
+        self.inputs.copy_(self.host)
+
+    def load(self, lanes: list[tuple[int, int, int, int, int]]) -> None:
+        """Per-lane (id, pos, row, paged slot, ring slot); the rest are padding. No host sync:
+        the previous step's read of `host` ended with that step's sync."""
+        n = len(lanes)
+        self.host[:, :n] = torch.tensor(lanes, dtype=torch.long).T
+        if n < self.size:
+            self.host[:, n:] = self.padding[:, n:]
+        self.inputs.copy_(self.host, non_blocking=True)
+
+    def attend(self, layer, query, key, value, scaling, softcap=None) -> torch.Tensor:
+        """Attention output [1, B, H, D]; stores the new K/V. Same contract as StepAttention."""
+        pool = self.pool
+        lay = pool.layouts[layer]
+        q = query[0].transpose(0, 1)  # [B, H, D]
+        k_new = key[0].transpose(0, 1)  # [B, Hkv, D]
+        v_new = value[0].transpose(0, 1)
+        ks, vs = pool.k[layer], pool.v[layer]
+        if lay.paged:  # the new token is a key of its own query: store first
+            ks.index_copy_(0, self.paged_slot, k_new)
+            vs.index_copy_(0, self.paged_slot, v_new)
+            out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
+                                   attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
+                                   splits=self.splits)
+        else:  # its ring slot may still hold a visible key: attend, then store
+            out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
+                                   attn_window=lay.attn_window, ring=(pool.sink, pool.window),
+                                   k_new=k_new, v_new=v_new, splits=self.splits)
+            ks.index_copy_(0, self.ring_slot, k_new)
+            vs.index_copy_(0, self.ring_slot, v_new)
+        return out.unsqueeze(0)
+
+
+class GraphDecoder:
+    """Owns the static decode batches, their CUDA graphs and the block-table mirror."""
+
+    def __init__(self, model, pool: RowPool, layer_kinds: frozenset[str], max_batch: int,
+                 max_model_len: int, capture: bool) -> None:
+        self.model = model
+        self.pool = pool
+        self.layer_kinds = layer_kinds
+        self.max_batch = max_batch
+        dev = pool.device
+        max_blocks = max(1, min(pool.blocks_for(max_model_len), pool.num_blocks - 1)) if pool.paged_layers else 1
+        self.table = torch.zeros((pool.num_rows + 1, max_blocks), dtype=torch.int32, device=dev)
+        self._mirrored: dict[int, list[int]] = {}
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        hkv = pool.k[0].shape[1]
+        self.batches = {b: DecodeBatch(pool, b, self.table, splits_for(b, hkv, sms)) for b in buckets_upto(max_batch)}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def accepts(self, inputs) -> bool:
+        return 0 < len(inputs) <= self.max_batch and all(
+            i.wants_logits and i.chunk.num_tokens == 1 and i.chunk.forward_start == i.chunk.start
+            and i.chunk.forward_done for i in inputs)
+
+    def _forward(self, batch: DecodeBatch) -> torch.Tensor:
+        return hf_adapter.forward(self.model, batch.ids, batch.pos, batch, None, self.layer_kinds)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Largest first, all graphs in one memory pool. Warm-up runs write only scratch places."""
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for size in sorted(self.batches, reverse=True):
+            batch = self.batches[size]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles kernels, sets up library handles
+                    self._forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.logits[size] = self._forward(batch)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def _sync_table(self, row: int) -> None:
+        blocks = self.pool.row(row).blocks
+        if self._mirrored.get(row) != blocks:
+            if blocks:
+                self.table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
+            self._mirrored[row] = list(blocks)
+
+    def run(self, inputs) -> tuple[torch.Tensor, list[int]]:
+        pool = self.pool
+        size = next(b for b in self.batches if b >= len(inputs))
+        batch = self.batches[size]
+        bs, rs, sink, window = pool.block_size, pool.ring_slots, pool.sink, pool.window
+        paged, ringed = bool(pool.paged_layers), bool(pool.ring_layers)
+        lanes = []
+        for inp in inputs:
+            c = inp.chunk
+            p = c.start
+            pslot = rslot = 0
+            if paged:
+                self._sync_table(c.row)
+                pslot = pool.row(c.row).blocks[p // bs] * bs + p % bs
+            if ringed:
+                rslot = c.row * rs + ring_slot(p, sink, window)
+            lanes.append((inp.token_ids[0], p, c.row, pslot, rslot))
+        batch.load(lanes)
+        self.steps += 1
+        if size in self.graphs:
+            self.graphs[size].replay()
+            logits = self.logits[size]
+        else:
+            logits = self._forward(batch)
+        for inp in inputs:
+            c = inp.chunk
+            pool.commit(c.row, c.start + 1, c.start, True)
+        return logits[: len(inputs)], list(range(len(inputs)))

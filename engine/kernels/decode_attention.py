@@ -1,0 +1,241 @@
+"""Decode attention over ragged rows: one query token per row against that row's resident K/V.
+
+Two key layouts, both read in place from the RowPool (no gather, no padding to the longest row):
+
+  paged  keys 0..pos of the row, at `block_table[row, j // page] * page + j % page`; the new
+         token was stored before the call. Visible: pos - j < attn_window.
+  ring   the row's `sink + window` ring slots at `row * ring_slots + j`, plus the new token, which
+         is passed in (it is stored after the call: its slot may still hold a visible key). A
+         slot's position is a function of the row's length alone (see `ring_positions`).
+
+The CUDA version is a split-K ("flash decoding") Triton kernel: program (row, kv head, split)
+walks its share of the row's keys for all query heads of the group and writes a partial
+(max, sum, unnormalised output); a second kernel merges the splits (and the ring's new token).
+`reference` computes the same function with torch ops; it is the oracle of the kernel's test and
+the path where Triton is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """Position held by each ring slot of rows whose next token is at `pos` [B] (-1: empty).
+    After any completed forward that ended at `pos`, a ring(sink, window) holds positions < sink
+    and the last `window` positions before `pos`; slot of p >= sink is sink + (p - sink) % window."""
+    j = torch.arange(sink + window, device=pos.device)
+    p = pos[:, None]
+    sinks = torch.where(j[None, :] < p, j[None, :], -1)
+    m = p - 1 - sink  # offset of the last position (may be < 0)
+    r = j[None, :] - sink
+    off = m - torch.remainder(m - r, max(window, 1))
+    ring = torch.where(off >= 0, sink + off, -1)
+    return torch.where(j[None, :] < sink, sinks, ring)[:, : sink + window]
+
+
+def reference(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
+              block_table=None, page=0, ring=None, k_new=None, v_new=None) -> torch.Tensor:
+    """q [B, H, D]; stores [slots, Hkv, D]; rows, pos [B]. Paged when `block_table` is given, else
+    `ring` = (sink, window) with k_new / v_new [B, Hkv, D]. Returns [B, H, D] in q's dtype."""
+    B, H, D = q.shape
+    hkv = k_store.shape[1]
+    if block_table is not None:
+        L = int(pos.max()) + 1
+        j = torch.arange(L, device=q.device)
+        slots = block_table[rows][:, j // page].long() * page + j % page  # [B, L]
+        kpos = j[None, :].expand(B, L)
+        valid = kpos <= pos[:, None]
+        keys, vals = k_store[slots], v_store[slots]  # [B, L, Hkv, D]
+    else:
+        sink, window = ring
+        r = sink + window
+        slots = rows[:, None] * r + torch.arange(r, device=q.device)
+        kpos = torch.cat([ring_positions(pos, sink, window), pos[:, None]], dim=1)
+        valid = kpos >= 0
+        keys = torch.cat([k_store[slots], k_new[:, None]], dim=1)
+        vals = torch.cat([v_store[slots], v_new[:, None]], dim=1)
+    if attn_window is not None:
+        valid &= (pos[:, None] - kpos) < attn_window
+    g = H // hkv
+    keys = keys.float().repeat_interleave(g, dim=2)  # [B, L, H, D]
+    vals = vals.float().repeat_interleave(g, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q.float(), keys) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bhl,blhd->bhd", torch.softmax(s, dim=-1), vals).to(q.dtype)
+
+
+try:  # Triton ships with CUDA builds of torch; the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+BLOCK_N = 64
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(
+        Q, K, V, Opart, Mpart, Lpart, BlockTable, Rows, Pos,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
+        scale, softcap, attn_window, sink, ring_window,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
+        RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        row = tl.load(Rows + b)
+        p = tl.load(Pos + b)
+        if PAGED:
+            hi = p + 1
+            lo = tl.maximum(hi - attn_window, 0)
+        else:
+            hi = p * 0 + RING_SLOTS
+            lo = p * 0
+        per = tl.cdiv(tl.cdiv(hi - lo, S), BLOCK) * BLOCK
+        start = lo + s * per
+        end = tl.minimum(start + per, hi)
+
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        head = kh * G + g
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        m_i = tl.full([GP], -1.0e30, tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for j0 in range(start, end, BLOCK):
+            offs = j0 + tl.arange(0, BLOCK)
+            valid = offs < end
+            if PAGED:
+                blk = tl.load(BlockTable + row * stride_bt + offs // PAGE, mask=valid, other=0)
+                slot = blk.to(tl.int64) * PAGE + offs % PAGE
+                kpos = offs
+            else:
+                slot = row * RING_SLOTS + offs
+                m_off = p - 1 - sink
+                r = offs - sink
+                w = tl.maximum(ring_window, 1)
+                off = m_off - (((m_off - r) % w) + w) % w
+                kpos = tl.where(offs < sink, tl.where(offs < p, offs, -1), tl.where(off >= 0, sink + off, -1))
+                valid = valid & (kpos >= 0)
+            valid = valid & ((p - kpos) < attn_window)
+            k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale
+            if SOFTCAP:
+                qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+        H = tl.num_programs(1) * G
+        base = (b * H + head) * S + s  # [GP]
+        gm = g < G
+        tl.store(Mpart + base, m_i, mask=gm)
+        tl.store(Lpart + base, l_i, mask=gm)
+        tl.store(Opart + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
+
+    @triton.jit
+    def _combine_kernel(
+        Out, Opart, Mpart, Lpart, Q, Knew, Vnew,
+        stride_ob, stride_oh, stride_qb, stride_qh, stride_nb, stride_nh,
+        scale, softcap, H, G,
+        D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sidx = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        base = (b * H + h) * S
+        sm = sidx < S
+        m = tl.load(Mpart + base + sidx, mask=sm, other=-1.0e30)
+        lsum = tl.load(Lpart + base + sidx, mask=sm, other=0.0)
+        o = tl.load(Opart + (base + sidx)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+        m_all = tl.max(m, 0)
+        if EXTRA:  # the ring layer's new token, not yet in the store
+            q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
+            kn = tl.load(Knew + b * stride_nb + (h // G) * stride_nh + d).to(tl.float32)
+            sn = tl.sum(q * kn, 0) * scale
+            if SOFTCAP:
+                sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
+            m_all = tl.maximum(m_all, sn)
+        w = tl.exp(m - m_all)
+        num = tl.sum(o * w[:, None], 0)
+        den = tl.sum(lsum * w, 0)
+        if EXTRA:
+            vn = tl.load(Vnew + b * stride_nb + (h // G) * stride_nh + d).to(tl.float32)
+            en = tl.exp(sn - m_all)
+            num += en * vn
+            den += en
+        tl.store(Out + b * stride_ob + h * stride_oh + d, (num / den).to(Out.dtype.element_ty))
+
+
+def splits_for(batch: int, kv_heads: int, sms: int) -> int:
+    """Key splits per (row, kv head): enough programs to cover the GPU about twice."""
+    s = 1
+    while batch * kv_heads * s < 2 * sms and s < 64:
+        s *= 2
+    return s
+
+
+def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
+                     block_table=None, page=0, ring=None, k_new=None, v_new=None, splits=8,
+                     out=None) -> torch.Tensor:
+    """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable)."""
+    if not available(q.device):
+        return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
+                         block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new)
+    B, H, D = q.shape
+    hkv = k_store.shape[1]
+    G = H // hkv
+    paged = block_table is not None
+    sink, window = (0, 0) if paged else ring
+    ring_slots = sink + window
+    S = splits if paged else max(1, min(splits, triton.cdiv(ring_slots, BLOCK_N)))
+    assert k_store.stride(2) == 1 and q.stride(2) == 1 and k_store.stride() == v_store.stride()
+    opart = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
+    mpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    lpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    bt = block_table if paged else rows  # any int tensor; unused for rings
+    _partial_kernel[(B, hkv, S)](
+        q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
+        scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
+        PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=BLOCK_N,
+        num_warps=4, num_stages=2,
+    )
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    extra = not paged
+    kn = k_new if extra else q
+    vn = v_new if extra else q
+    _combine_kernel[(B, H)](
+        out, opart, mpart, lpart, q, kn, vn,
+        out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1),
+        scale, softcap or 0.0, H, G,
+        D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None,
+        num_warps=4,
+    )
+    return out
