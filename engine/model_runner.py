@@ -10,6 +10,7 @@ import torch
 from engine import hf_adapter
 from engine.attention import ForwardChunk, StepAttention
 from engine.decode_graph import GraphDecoder
+from engine.kernels.rmsnorm import fuse_norms
 from engine.kv_rows import RowPool
 
 
@@ -29,6 +30,8 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
+        if self.device.type == "cuda":
+            self.fused_norms = fuse_norms(model)
         self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
         self.decoder = None
         if static_decode:

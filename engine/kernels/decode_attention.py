@@ -159,7 +159,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(
         Out, Opart, Mpart, Lpart, Q, Knew, Vnew,
-        stride_ob, stride_oh, stride_qb, stride_qh, stride_nb, stride_nh,
+        stride_ob, stride_oh, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         scale, softcap, H, G,
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
@@ -175,7 +175,7 @@ if triton is not None:
         m_all = tl.max(m, 0)
         if EXTRA:  # the ring layer's new token, not yet in the store
             q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
-            kn = tl.load(Knew + b * stride_nb + (h // G) * stride_nh + d).to(tl.float32)
+            kn = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d).to(tl.float32)
             sn = tl.sum(q * kn, 0) * scale
             if SOFTCAP:
                 sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
@@ -184,7 +184,7 @@ if triton is not None:
         num = tl.sum(o * w[:, None], 0)
         den = tl.sum(lsum * w, 0)
         if EXTRA:
-            vn = tl.load(Vnew + b * stride_nb + (h // G) * stride_nh + d).to(tl.float32)
+            vn = tl.load(Vnew + b * stride_vb + (h // G) * stride_vh + d).to(tl.float32)
             en = tl.exp(sn - m_all)
             num += en * vn
             den += en
@@ -214,6 +214,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     ring_slots = sink + window
     S = splits if paged else max(1, min(splits, triton.cdiv(ring_slots, BLOCK_N)))
     assert k_store.stride(2) == 1 and q.stride(2) == 1 and k_store.stride() == v_store.stride()
+    assert paged or (k_new.stride(2) == 1 and v_new.stride(2) == 1)
     opart = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
     mpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     lpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
@@ -233,7 +234,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     vn = v_new if extra else q
     _combine_kernel[(B, H)](
         out, opart, mpart, lpart, q, kn, vn,
-        out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1),
+        out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale, softcap or 0.0, H, G,
         D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None,
         num_warps=4,

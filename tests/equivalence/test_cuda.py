@@ -67,8 +67,9 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
     else:
         kw.update(ring=(4, 60))
         n = num_rows * 64
+        # k and v of different layouts, as a model hands them over (one normed, one a view)
         kw.update(k_new=torch.randn(B, hkv, D, device="cuda", dtype=dtype, generator=gen),
-                  v_new=torch.randn(B, hkv, D, device="cuda", dtype=dtype, generator=gen))
+                  v_new=torch.randn(hkv, B, D, device="cuda", dtype=dtype, generator=gen).transpose(0, 1))
     ks = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     vs = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     ref = reference(q, ks, vs, rows, pos, **kw).double()
@@ -127,3 +128,27 @@ def test_cuda_rows_never_read_reused_blocks():
     for r in reqs[::25]:  # 40 of them, each alone
         assert run_all(alone, [r])[r.request_id] == out[r.request_id]
     assert engine.runner.decoder.steps > 500
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rmsnorm_replaces_gemma_norms_and_matches(dtype):
+    """Every RMSNorm of a Gemma-3 model is replaced on CUDA; each agrees with the stock module on
+    fresh inputs, contiguous or not."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from engine.kernels.rmsnorm import FusedRMSNorm, fuse_norms
+
+    model = tiny_random_model(5, dtype=dtype).cuda()
+    stock = sum(isinstance(m, Gemma3RMSNorm) for m in model.modules())
+    assert fuse_norms(model) == stock > 0
+    assert not any(isinstance(m, Gemma3RMSNorm) for m in model.modules())
+    for shape, transpose in (((9, 64), False), ((1, 7, 4, 16), True), ((2, 3, 64), False)):
+        norm = Gemma3RMSNorm(shape[-1], eps=1e-6).cuda().to(dtype)
+        norm.weight.data.normal_()
+        x = torch.randn(shape, device="cuda").to(dtype)
+        if transpose:
+            x = x.transpose(1, 2)
+        want = norm(x).double()
+        got = FusedRMSNorm(norm.weight, norm.eps, 1.0)(x).double()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-6), err
