@@ -15,3 +15,4 @@ if [ "${2:-}" = quick ]; then
 fi
 python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --out "$OUT"
 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 64 --out "$OUT"
+python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N="

@@ -56,7 +56,7 @@ def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
     for e in kernels:
         c, t = by.get(e.name, (0, 0.0))
         by[e.name] = (c + 1, t + e.device_time / 1000)
-    for name, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:14]:
+    for name, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:24]:
         print(f"  {t:7.3f} ms {c:5d}x  {name[:110]}")
 
 

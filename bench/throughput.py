@@ -59,8 +59,10 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str) -> di
     decoded = sum(1 for t in events if t > t_all)
     per_session = (engine.pool.ring_row_bytes
                    + engine.pool.blocks_for(len(prompts[0]) + new_tokens) * engine.pool.block_bytes)
+    dec = engine.runner.decoder
     return {
         "decode_tok_s": decoded / (t_last - t_all),
+        "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
         "kv_bytes_per_session": per_session,
     }
