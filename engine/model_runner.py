@@ -11,6 +11,7 @@ from engine import hf_adapter
 from engine.attention import ForwardChunk, StepAttention
 from engine.decode_graph import GraphDecoder
 from engine.kernels.rmsnorm import fuse_norms
+from engine.kernels.small_linear import substitute_linears
 from engine.kv_rows import RowPool
 
 
@@ -30,8 +31,9 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)
+            self.small_linears = substitute_linears(model)
         self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
         self.decoder = None
         if static_decode:

@@ -65,7 +65,7 @@ class FusedRMSNorm(nn.Module):
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm) and isinstance(getattr(module, "weight", None), torch.Tensor)
             and module.weight.dim() == 1 and hasattr(module, "eps"))
 
 

@@ -152,3 +152,39 @@ def test_fused_rmsnorm_replaces_gemma_norms_and_matches(dtype):
         got = FusedRMSNorm(norm.weight, norm.eps, 1.0)(x).double()
         err = ((got - want).norm() / want.norm()).item()
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-6), err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_batch_linear_matches_library(dtype):
+    """The split-K small-batch kernel against F.linear on fresh random shapes and row counts."""
+    import torch.nn.functional as F
+
+    from engine.kernels.small_linear import small_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m, n, k in [(1, 1024, 2560), (3, 2560, 10240), (16, 333, 1152), (7, 4096, 130)]:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+        w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+        want = F.linear(x.double(), w.double())
+        err = ((small_linear(x, w, 132).double() - want).norm() / want.norm()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, err)
+
+
+def test_substituted_linears_keep_model_outputs():
+    """A bf16 model after substitution gives the same logits (bf16 tolerance) at 1..16 rows."""
+    from engine.kernels.small_linear import SmallBatchLinear, substitute_linears
+
+    model = tiny_random_model(6, dtype=torch.bfloat16, hidden_size=512, intermediate_size=2048,
+                              head_dim=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    ids = torch.randint(3, 512, (1, 16), device="cuda")
+    with torch.inference_mode():
+        want = [model(ids[:, :n]).logits.float() for n in (1, 5, 16)]
+        chosen = substitute_linears(model)
+        print(f"substituted shapes (out, in) -> max rows: {chosen}")
+        got = [model(ids[:, :n]).logits.float() for n in (1, 5, 16)]
+    n_sub = sum(isinstance(m, SmallBatchLinear) for m in model.modules())
+    assert n_sub == sum(1 for m in model.modules() if isinstance(m, SmallBatchLinear)
+                        and (m.out_features, m.in_features) in chosen)
+    assert all(1 <= r <= 16 for r in chosen.values())
+    for w, g in zip(want, got):
+        assert ((g - w).norm() / w.norm()).item() < 2e-2

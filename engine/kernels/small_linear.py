@@ -1,0 +1,167 @@
+"""Linear layers for few rows on CUDA (decode batches of up to 16 tokens).
+
+At one to a few rows a linear layer is a matrix-vector product bound by reading the weight. The
+library kernels pick tiles made for larger batches and read the narrow projections of a decoder
+layer (K/V, Q, O: a few MB each) at a fraction of the memory bandwidth. `SmallBatchLinear`
+substitutes for `nn.Linear` (as quantized linears do): up to `MAX_ROWS` rows it runs a split-K
+Triton kernel that streams the weight once with enough programs to cover the GPU, writes one
+partial per split and sums them in a second kernel (deterministic, no atomics); more rows, or a
+very wide output (the vocabulary head), go to `F.linear` unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+MAX_ROWS = 16
+MAX_OUT = 16384  # wider outputs already run near the bandwidth in the library kernels
+BLOCK_N, BLOCK_K = 32, 128
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(X, W, P, M, N, K, stride_xm, stride_wn, k_per,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            km = rk < k_hi
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & km[None, :], other=0.0)
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & km[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        ptr = P + (pid_k * BLOCK_M + rm[:, None]) * N + rn[None, :]
+        tl.store(ptr, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _reduce_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)  # over M * N
+        m = idx // N
+        n = idx % N
+        ok = idx < M * N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(P + (s * BLOCK_M + m) * N + n, mask=ok, other=0.0)
+        tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _splits(n: int, k: int, sms: int) -> int:
+    blocks = triton.cdiv(n, BLOCK_N)
+    split = 1
+    while blocks * split < 2 * sms and split * 2 * BLOCK_K <= k:
+        split *= 2
+    return split
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    split = _splits(n, k, sms)
+    k_per = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K
+    part = torch.empty((split, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+    _partial_kernel[(triton.cdiv(n, BLOCK_N), split)](
+        x, weight, part, m, n, k, x.stride(0), weight.stride(0), k_per,
+        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block = 1024
+    _reduce_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, y.stride(0), SPLIT=split, BLOCK_M=MAX_ROWS,
+                                                 BLOCK=block, num_warps=4)
+    return y
+
+
+class SmallBatchLinear(nn.Module):
+    """`nn.Linear` (no bias) that runs `small_linear` up to `max_rows` rows (measured per shape)."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int, sms: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.max_rows = max_rows
+        self.sms = sms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if rows == 0 or rows > self.max_rows or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight)
+        flat = x.reshape(rows, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        return small_linear(flat, self.weight, self.sms).reshape(*x.shape[:-1], self.out_features)
+
+
+def substitute_linears(model: nn.Module) -> dict[tuple[int, int], int]:
+    """Replace bias-free CUDA `nn.Linear` layers of up to MAX_OUT outputs where the kernel beats
+    `F.linear`: per weight shape, both are timed at 1, 2, 4, 8 and 16 rows, and the kernel serves
+    up to the largest row count where it was faster at every count below. Returns
+    {(out, in): max_rows} for the shapes substituted."""
+    if triton is None:
+        return {}
+    limits: dict[tuple, int] = {}
+    done: dict[tuple[int, int], int] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not (type(child) is nn.Linear and child.bias is None and child.weight.device.type == "cuda"
+                    and child.out_features <= MAX_OUT and child.weight.is_contiguous()):
+                continue
+            key = (child.out_features, child.in_features, child.weight.dtype)
+            if key not in limits:
+                limits[key] = _rows_where_faster(child.weight)
+            if limits[key]:
+                sms = torch.cuda.get_device_properties(child.weight.device).multi_processor_count
+                setattr(parent, name, SmallBatchLinear(child, limits[key], sms))
+                done[key[:2]] = limits[key]
+    return done
+
+
+@torch.no_grad()
+def _rows_where_faster(weight: torch.Tensor) -> int:
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    best = 0
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
+        ours = _time(lambda: small_linear(x, weight, sms))
+        lib = _time(lambda: F.linear(x, weight))
+        if ours >= lib:
+            break
+        best = rows
+    return best
+
+
+def _time(fn, reps: int = 20) -> float:
+    """Device time of `reps` calls replayed from a CUDA graph (the way decode steps run them:
+    timing eager calls would measure Python launch cost instead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
