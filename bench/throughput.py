@@ -234,7 +234,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'weights':>7} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
+    print(f"{'n':>3} {'weights':>8} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
           f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}", flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
@@ -246,12 +246,13 @@ def main() -> None:
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
                     floor = n / ((weight_bytes[w] + n * res["kv_bytes_per_session"]) / bandwidth)
-                row = {"n": n, "weights": w, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
+                row = {"n": n, "weights": label, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
                 rows.append(row)
                 vs_floor = f"{res['decode_tok_s'] / floor:>7.3f}x" if floor else f"{'-':>8}"
-                print(f"{n:>3} {w:>7} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
+                print(f"{n:>3} {label:>8} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
                       f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
                       f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}", flush=True)
     qualities = {}
