@@ -164,6 +164,18 @@ def step_weight_bytes(model) -> int:
     return total
 
 
+def source_digest() -> str:
+    """Digest of the engine's source files, naming the code a result came from even where the
+    tree is not a clean checkout."""
+    import hashlib
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent / "engine"
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -267,7 +279,7 @@ def main() -> None:
                       f"{q['recall_cases']}; s5 cells below native-1: {len(q['recall_regressions'])}", flush=True)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        commit = subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
     except Exception:
         commit = None
     import transformers
@@ -276,7 +288,8 @@ def main() -> None:
         "bench": "throughput", "device": dev, "model": a.model, "dtype": a.dtype,
         "copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "commit": commit},
+                     "transformers": transformers.__version__, "commit": commit,
+                     "engine_source_sha256": source_digest()},
         "workload": {"name": "decode-1238", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                      "greedy": True, "ignore_eos": True, "threads": torch.get_num_threads()},
         "rows": rows, "quality": qualities,
