@@ -30,7 +30,7 @@ from engine.kv_policy import layer_layouts
 from engine.kv_rows import RowPool, RowSnapshot
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
-from engine.sampler import greedy_batch, make_generator, sample
+from engine.sampler import greedy_batch, make_generator, sample_batch
 from engine.scheduler import Scheduler, SchedRequest
 from engine.types import EngineError, FinishReason, Request, RequestOutput
 
@@ -334,10 +334,18 @@ class Engine:
                 except Exception as exc:
                     failed[j] = f"logits hook failed: {exc}"
         greedy_rows = [j for j, n in enumerate(owners) if lives[n].request.params.greedy and j not in failed]
+        sampled_rows = [j for j, n in enumerate(owners) if not lives[n].request.params.greedy and j not in failed]
         picked: dict[int, tuple[int, bool]] = {}
         if greedy_rows:  # all greedy rows in one device call
             tokens, finite = greedy_batch(logits[greedy_rows] if len(greedy_rows) < len(owners) else logits)
             picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
+        if sampled_rows:  # all sampled rows batched on the device, each with its own generator
+            try:
+                tokens, finite = sample_batch(logits[sampled_rows], [lives[owners[j]].request.params for j in sampled_rows],
+                                              [lives[owners[j]].generator for j in sampled_rows])
+                picked.update({j: (t, ok) for j, t, ok in zip(sampled_rows, tokens, finite)})
+            except Exception as exc:
+                failed.update({j: f"sampling failed: {exc}" for j in sampled_rows})
         outputs = []
         for j, n in enumerate(owners):
             live = lives[n]
@@ -345,7 +353,7 @@ class Engine:
                 outputs.append(self._finish(live, FinishReason.ERROR, error=failed[j]))
                 continue
             try:
-                outputs.append(self._apply(live, logits[j], picked.get(j)))
+                outputs.append(self._apply(live, picked[j]))
             except Exception as exc:  # detokenizer or bookkeeping: this request only
                 if live.request.request_id not in self._live:
                     raise  # it failed while ending: the engine's own state is in doubt
@@ -353,17 +361,11 @@ class Engine:
                 outputs.append(self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}"))
         return outputs
 
-    def _apply(self, live: _Live, logits: torch.Tensor, greedy: tuple[int, bool] | None) -> RequestOutput:
+    def _apply(self, live: _Live, picked: tuple[int, bool]) -> RequestOutput:
         params = live.request.params
-        try:
-            if greedy is not None:
-                token, finite = greedy
-                if not finite:
-                    raise ValueError("non-finite logits")
-            else:
-                token = sample(logits, params, live.generator)
-        except Exception as exc:
-            return self._finish(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
+        token, finite = picked
+        if not finite:
+            return self._finish(live, FinishReason.ERROR, error="sampling failed: non-finite logits")
         live.output_ids.append(token)
         reason, delta = None, ""
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:

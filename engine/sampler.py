@@ -1,8 +1,12 @@
-"""Per-row sampling: greedy, temperature, top-k, top-p, seeded generators."""
+"""Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, seeds.
+
+Sampled rows draw by inverse CDF: each row's uniform number comes from its own seeded generator
+(on the host, one float per row), and everything else runs on the device in a few batched ops,
+so a row's token depends only on its logits and its own seed, alone or batched, and a step has
+one host sync however many rows sample.
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -15,34 +19,52 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from `logits` [vocab]. Raises ValueError on non-finite logits."""
-    logits = logits.float().cpu()
-    if params.greedy:
-        best = int(torch.argmax(logits))  # a NaN anywhere wins argmax, so one check suffices
-        if not math.isfinite(float(logits[best])):
-            raise ValueError("non-finite logits")
-        return best
-    x = logits / params.temperature
-    if params.top_k and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        drop = (cum - probs) >= params.top_p  # keep the smallest prefix reaching top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError("non-finite logits")
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """Argmax of every row of `logits` [n, vocab] in one device call and one host sync; also
     whether each row's best logit is finite (a NaN anywhere in a row wins its argmax)."""
     best = torch.argmax(logits, dim=-1)  # [n]
     ok = torch.isfinite(logits.gather(1, best[:, None])[:, 0])  # [n]
     return best.tolist(), ok.tolist()
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> tuple[list[int], list[bool]]:
+    """One token per row of `logits` [n, vocab] (temperature > 0 for every row); also whether the
+    row's distribution was finite (a row with NaN/inf logits gets ok=False and must fail)."""
+    dev = logits.device
+    n, vocab = logits.shape
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values  # [n, k_max], descending
+        idx = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None]
+        cut = kth.gather(1, idx)
+        cut = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, cut, torch.full_like(cut, float("-inf")))
+        x = x.masked_fill(x < cut, float("-inf"))
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        rows = torch.tensor(nucleus, device=dev)
+        sub = x.index_select(0, rows)
+        sorted_x, order = torch.sort(sub, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev)[:, None]
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = x.index_copy(0, rows, torch.full_like(sub, float("-inf")).scatter(1, order, sorted_x))
+    probs = torch.softmax(x, dim=-1)
+    ok = torch.isfinite(probs).all(dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.tensor([float(torch.rand((), generator=g)) for g in generators], device=dev)[:, None]
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)[:, 0]
+    return tokens.tolist(), ok.tolist()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from `logits` [vocab]. Raises ValueError on non-finite logits."""
+    if params.greedy:
+        tokens, ok = greedy_batch(logits[None])
+    else:
+        tokens, ok = sample_batch(logits[None], [params], [generator])
+    if not ok[0]:
+        raise ValueError("non-finite logits")
+    return tokens[0]
