@@ -59,7 +59,10 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
             if state.worker is not None:
                 await state.worker.stop()
 
-    app = FastAPI(title="s5serve", version="0.1.0", lifespan=lifespan)
+    # With API keys on, only /health and /ready answer without one: the interactive docs and the
+    # schema route are off (the schema stays available in-process through app.openapi()).
+    docs = {} if not settings.api_keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="s5serve", version="0.1.0", lifespan=lifespan, **docs)
     app.state.s5 = state
     errors.install(app)
     app.add_middleware(errors.BodyLimit, max_bytes=settings.max_body_bytes)
