@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 _NUM = dict(allow_inf_nan=False)
 
@@ -63,11 +63,38 @@ class ChatCompletionRequest(_Body):
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[StrictInt] | list[str]  # token ids must be integers (not booleans)
     echo: bool = False
 
 
 class SessionGenerateRequest(_Body):
-    input: str | list[int] | None = None  # text or token ids appended as-is
+    input: str | list[StrictInt] | None = None  # text or token ids appended as-is
     messages: list[Message] | None = None  # chat turns appended in the chat format
     stream: bool = True
+
+
+# ---- documented responses (the OpenAPI schema says what every route can answer) ----------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorEnvelope, "description": why}
+    for status, why in [(400, "invalid request"), (401, "missing or invalid API key"),
+                        (404, "unknown model, session or request"), (409, "the session has a turn in flight"),
+                        (410, "the session was evicted"), (413, "request body too large"),
+                        (429, "queue or token budget full (see Retry-After)"),
+                        (503, "loading, draining, or the engine is dead")]
+}
+# generation routes answer JSON, or server-sent events when `stream` is true
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "JSON, or server-sent events when stream is true",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}

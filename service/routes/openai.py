@@ -13,10 +13,10 @@ from sse_starlette.sse import EventSourceResponse
 from engine import FinishReason
 from service.auth import tenant
 from service.errors import APIError
-from service.schemas import ChatCompletionRequest, CompletionRequest
+from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
 from service.turns import check_model, collect, require_ready, sampling_params, start_turn, valid_text
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 
 @router.get("/models")
@@ -47,7 +47,7 @@ def end_of_turn_ids(tok) -> tuple[int, ...]:
     return (eot,) if isinstance(eot, int) and eot != tok.unk_token_id else ()
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = _serving(request, body)
     tok = st.tokenizer
@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     return await _respond(body, turn, request, chat=True, model=st.model_name)
 
 
-@router.post("/completions")
+@router.post("/completions", responses=STREAM_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = _serving(request, body)
     p = body.prompt

@@ -1,13 +1,14 @@
 """Operations: liveness, readiness, metrics, cancel by request id."""
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.auth import tenant
 from service.errors import APIError, envelope
+from service.schemas import ERROR_RESPONSES
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/health")
@@ -27,7 +28,8 @@ async def ready(request: Request):
     return JSONResponse(envelope(503, why, "not_ready"), 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request, owner: str | None = Depends(tenant)):
     return Response(request.app.state.s5.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -14,10 +14,10 @@ from engine.types import EngineError
 from service.auth import tenant
 from service.errors import APIError, from_engine
 from service.routes.openai import end_of_turn_ids
-from service.schemas import SessionGenerateRequest
+from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
 from service.turns import collect, require_ready, sampling_params, start_turn, valid_text
 
-router = APIRouter(prefix="/v1/sessions")
+router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
 
 async def _engine_call(st, fn, *args):
@@ -59,7 +59,7 @@ async def delete_session(session_id: str, request: Request, owner: str | None = 
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
-@router.post("/{session_id}/generate")
+@router.post("/{session_id}/generate", responses=STREAM_RESPONSES)
 async def generate(session_id: str, body: SessionGenerateRequest, request: Request,
                    owner: str | None = Depends(tenant)):
     st = request.app.state.s5
