@@ -26,6 +26,11 @@ class EngineConfig:
     max_rows: int = 16  # KV rows (sessions + stateless requests resident at once)
     kv_block_size: int = 16  # tokens per block of the paged (exact) layers
     kv_cache_bytes: int = 1 << 30  # bytes for paged blocks (exact layers), all rows together
+    # When rows run short, the least recently used idle session's row moves to host memory (and
+    # comes back exactly, without recompute, on its next turn) while swapped rows stay under this
+    # many bytes; beyond it, such a session is closed (`session_evicted`). 0: always close. (A row
+    # held by a session whose next turn is still queued is always swapped, never closed.)
+    swap_bytes: int = 4 << 30
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
     max_num_seqs: int | None = None  # rows in one step; defaults to max_rows
@@ -50,6 +55,8 @@ class EngineConfig:
         for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens", "max_graph_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.swap_bytes < 0:
+            raise ValueError("swap_bytes must be >= 0")
         if self.kv_sink < 0:
             raise ValueError("kv_sink must be >= 0")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

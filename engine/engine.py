@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hf_adapter import geometry
 from engine.kv_policy import layer_layouts
-from engine.kv_rows import RowPool, RowSnapshot
+from engine.kv_rows import RowPool, RowSnapshot, SwappedRow
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
 from engine.sampler import greedy_batch, make_generator, sample_batch
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 class _Session:
     session_id: str
     tokens: list[int] = field(default_factory=list)  # history (the last may be uncomputed)
-    row: int | None = None  # None: no row yet, or evicted (the next turn re-prefills)
+    row: int | None = None  # None: no row yet, swapped to host memory, or released (re-prefill)
+    swapped: SwappedRow | None = None  # the row, in host memory, while the session waits for one
     busy: str | None = None  # request id of the turn in flight
     num_turns: int = 0
     num_evictions: int = 0
@@ -108,7 +109,9 @@ class Engine:
         # token, logits [vocab], a view). Tests use it to record logits and to inject faults (an
         # altered row or an exception fails that request only). None in serving.
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "evictions_lru": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "evictions_lru": 0,
+                      "swaps_out": 0, "swaps_in": 0}
+        self.swapped_bytes = 0  # host bytes of swapped rows
 
     # ---- sessions -----------------------------------------------------------------------------
     def create_session(self, session_id: str | None = None) -> str:
@@ -127,6 +130,7 @@ class Engine:
             self.abort(s.busy)
         if s.row is not None:
             self.pool.free_row(s.row)
+        self._drop_swapped(s)
         del self.sessions[session_id]
         return True
 
@@ -138,6 +142,7 @@ class Engine:
         if s.row is not None:
             self.pool.free_row(s.row)
             s.row = None
+        self._drop_swapped(s)
         s.tokens = []
 
     def release_row(self, session_id: str) -> bool:
@@ -156,14 +161,17 @@ class Engine:
     def session_info(self, session_id: str) -> dict:
         s = self._session(session_id)
         kv = self.pool.resident_kv_bytes(s.row) if s.row is not None else {"total": 0}
+        kv_tokens = self.pool.kv_len(s.row) if s.row is not None else (s.swapped.kv_len if s.swapped else 0)
+        state = "resident" if s.row is not None else ("swapped" if s.swapped is not None else "offloaded")
         return {
             "id": s.session_id,
             "history_tokens": len(s.tokens),
-            "kv_tokens": self.pool.kv_len(s.row) if s.row is not None else 0,
+            "kv_tokens": kv_tokens,
             "resident_kv_bytes": kv["total"],
             "resident_kv": kv,
+            "host_kv_bytes": s.swapped.nbytes if s.swapped is not None else 0,
             "idle_seconds": 0.0 if s.busy else time.monotonic() - s.last_used,
-            "state": "busy" if s.busy else ("resident" if s.row is not None else "offloaded"),
+            "state": "busy" if s.busy else state,
             "turns": s.num_turns,
             "evictions": s.num_evictions,
         }
@@ -210,7 +218,11 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        kv_len = self.pool.kv_len(session.row) if session is not None and session.row is not None else 0
+        kv_len = 0
+        if session is not None and session.row is not None:
+            kv_len = self.pool.kv_len(session.row)
+        elif session is not None and session.swapped is not None:
+            kv_len = session.swapped.kv_len  # the turn brings the row back from host memory
         feed = history[kv_len:] + list(ids)
         max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)
         if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
@@ -246,7 +258,12 @@ class Engine:
             return False
         if not self.pool.can_reserve(row, live.max_len):
             return False
-        if row is None:
+        if row is None and session is not None and session.swapped is not None:  # back from host memory
+            row = session.row = self.pool.swap_in(session.swapped, live.max_len)
+            self._drop_swapped(session)
+            self.stats["swaps_in"] += 1
+            live.snapshot = self.pool.snapshot(row)
+        elif row is None:
             row = self.pool.allocate_row()
             live.row_is_new = True
             if session is not None:
@@ -259,13 +276,35 @@ class Engine:
         return True
 
     def _evict_idle_row(self) -> bool:
-        """Rows ran out: close the least recently used idle session that holds one."""
-        idle = [s for s in self.sessions.values() if s.row is not None and s.busy is None]
+        """Rows ran out: the least recently used idle session that holds one gives it up. Its row
+        moves to host memory while swapped rows fit in `swap_bytes` (the next turn brings it back
+        exactly); otherwise the session is closed (`session_evicted`)."""
+        # idle: no turn, or a turn still queued (it does not use its row yet; without this, rows
+        # held by queued turns behind the one being admitted would never come free)
+        idle = [s for s in self.sessions.values()
+                if s.row is not None and (s.busy is None or self._live[s.busy].row is None)]
         if not idle:
             return False
-        self.evict_session(min(idle, key=lambda s: s.last_used).session_id, "lru")
+        victim = min(idle, key=lambda s: (s.busy is not None, s.last_used))
+        if self.swapped_bytes + self._row_bytes(victim.row) <= self.config.swap_bytes or victim.busy is not None:
+            victim.swapped = self.pool.swap_out(victim.row)
+            victim.row = None
+            self.swapped_bytes += victim.swapped.nbytes
+            self.stats["swaps_out"] += 1
+            return True
+        self.evict_session(victim.session_id, "lru")
         self.stats["evictions_lru"] += 1
         return True
+
+    def _row_bytes(self, row: int) -> int:
+        """Host bytes a swap of this row takes: its ring slots and the positions it holds."""
+        paged = self.pool.kv_len(row) * 2 * self.pool.token_bytes * len(self.pool.paged_layers)
+        return paged + self.pool.ring_row_bytes
+
+    def _drop_swapped(self, s: _Session) -> None:
+        if s.swapped is not None:
+            self.swapped_bytes -= s.swapped.nbytes
+            s.swapped = None
 
     def evict_session(self, session_id: str, reason: str) -> None:
         self.close_session(session_id)

@@ -65,6 +65,23 @@ class RowSnapshot:
         return sum(t.nbytes for t in self.ring_k.values()) * 2
 
 
+@dataclass
+class SwappedRow:
+    """A whole row copied to host memory (its pool row and blocks released); `RowPool.swap_in`
+    puts it back exactly, with no recompute."""
+
+    kv_len: int
+    ring_pos: torch.Tensor  # [ring_slots]
+    ring_k: dict[int, torch.Tensor]  # ring layer -> [ring_slots, Hkv, D]
+    ring_v: dict[int, torch.Tensor]
+    paged_k: dict[int, torch.Tensor]  # paged layer -> [kv_len, Hkv, D]
+    paged_v: dict[int, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in (self.ring_k, self.ring_v, self.paged_k, self.paged_v) for t in d.values())
+
+
 class RowPool:
     def __init__(
         self,
@@ -199,6 +216,45 @@ class RowPool:
         state.kv_len = snap.kv_len
         state.staging = None
         self.trim(row)
+
+    # ---- swapping whole rows to host memory ---------------------------------------------------------
+    def swap_out(self, row: int) -> SwappedRow:
+        """Copy the row to host memory and free it (and its blocks). The row must be between
+        forwards (no staging)."""
+        state = self._rows[row]
+        assert state.staging is None, "a row is swapped only between forwards"
+        sl = self._ring_range(row)
+        host = torch.device("cpu")
+        slots = torch.tensor(self.paged_slots(row, 0, state.kv_len), dtype=torch.long, device=self.device)
+        out = SwappedRow(
+            kv_len=state.kv_len,
+            ring_pos=self.ring_pos[row].clone(),
+            ring_k={i: self.k[i][sl].to(host, copy=True) for i in self.ring_layers},
+            ring_v={i: self.v[i][sl].to(host, copy=True) for i in self.ring_layers},
+            paged_k={i: self.k[i].index_select(0, slots).to(host) for i in self.paged_layers},
+            paged_v={i: self.v[i].index_select(0, slots).to(host) for i in self.paged_layers},
+        )
+        self.free_row(row)
+        return out
+
+    def can_swap_in(self, swapped: SwappedRow, total_len: int) -> bool:
+        return self.can_allocate_row() and self.blocks_for(max(total_len, swapped.kv_len)) <= self.num_free_blocks
+
+    def swap_in(self, swapped: SwappedRow, total_len: int) -> int:
+        """A new row holding exactly what `swapped` held, with blocks for `total_len` positions."""
+        row = self.allocate_row()
+        self.reserve(row, max(total_len, swapped.kv_len))
+        sl = self._ring_range(row)
+        for i in self.ring_layers:
+            self.k[i][sl] = swapped.ring_k[i].to(self.device)
+            self.v[i][sl] = swapped.ring_v[i].to(self.device)
+        slots = torch.tensor(self.paged_slots(row, 0, swapped.kv_len), dtype=torch.long, device=self.device)
+        for i in self.paged_layers:
+            self.k[i].index_copy_(0, slots, swapped.paged_k[i].to(self.device))
+            self.v[i].index_copy_(0, slots, swapped.paged_v[i].to(self.device))
+        self.ring_pos[row] = swapped.ring_pos
+        self._rows[row].kv_len = swapped.kv_len
+        return row
 
     # ---- reads for the step ---------------------------------------------------------------------
     def row(self, row: int) -> RowState:

@@ -26,11 +26,15 @@ class Metrics:
         self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
+        self.swaps = Counter("s5_session_swaps", "Session rows moved to host memory (out) and back (in)",
+                             ["direction"], registry=r)
+        self.swapped_bytes = Gauge("s5_swapped_kv_bytes", "Host bytes of swapped session rows", registry=r)
         self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
         self._lag_max = 0.0
         self._lru_seen = 0
+        self._swaps_seen = {"out": 0, "in": 0}
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Called on the engine thread after every step."""
@@ -46,6 +50,12 @@ class Metrics:
         if lru > self._lru_seen:
             self.evictions.labels("lru").inc(lru - self._lru_seen)
             self._lru_seen = lru
+        for direction in ("out", "in"):
+            n = engine.stats[f"swaps_{direction}"]
+            if n > self._swaps_seen[direction]:
+                self.swaps.labels(direction).inc(n - self._swaps_seen[direction])
+                self._swaps_seen[direction] = n
+        self.swapped_bytes.set(engine.swapped_bytes)
 
     def observe_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)

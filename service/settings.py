@@ -38,6 +38,8 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--window", type=int, default=_env("WINDOW", d.kv_window, int))
     p.add_argument("--rows", type=int, default=_env("ROWS", d.max_rows, int))
     p.add_argument("--kv-cache-bytes", type=int, default=_env("KV_CACHE_BYTES", d.kv_cache_bytes, int))
+    p.add_argument("--swap-bytes", type=int, default=_env("SWAP_BYTES", d.swap_bytes, int),
+                   help="host memory for rows of idle sessions when rows run short (0: close them instead)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_BATCHED_TOKENS", d.max_num_batched_tokens, int))
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
     p.add_argument("--quantization", default=_env("QUANTIZATION", "auto"), choices=["auto", "none", "int8", "bnb-4bit"],
@@ -59,7 +61,7 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
         model=a.model, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy, kv_sink=a.sink,
         kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        quantization=quantization,
+        quantization=quantization, swap_bytes=a.swap_bytes,
     )
     keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
     return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,
