@@ -163,7 +163,5 @@ class GraphDecoder:
             logits = self.logits[size]
         else:
             logits = self._forward(batch)
-        for inp in inputs:
-            c = inp.chunk
-            pool.commit(c.row, c.start + 1, c.start, True)
+        pool.commit_decodes([i.chunk.row for i in inputs], [i.chunk.start for i in inputs])
         return logits[: len(inputs)], list(range(len(inputs)))

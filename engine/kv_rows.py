@@ -309,6 +309,17 @@ class RowPool:
         if forward_done:
             state.staging = None
 
+    def commit_decodes(self, rows: list[int], positions: list[int]) -> None:
+        """`commit(row, p + 1, p, True)` for one-token forwards of many rows at once (one tensor
+        write for all ring positions instead of one per row)."""
+        for row, p in zip(rows, positions):
+            state = self._rows[row]
+            assert state.kv_len == p and state.staging is None
+            state.kv_len = p + 1
+        if self.ring_layers and rows:
+            slots = [ring_slot(p, self.sink, self.window) for p in positions]
+            self.ring_pos[rows, slots] = torch.tensor(positions, dtype=self.ring_pos.dtype)
+
     # ---- accounting ----------------------------------------------------------------------------
     def resident_kv_bytes(self, row: int) -> dict[str, int]:
         """Bytes the row holds: paged (exact layers), ring (bounded layers), staging (transient)."""
