@@ -27,6 +27,7 @@ def _serve(argv: list[str]) -> int:
         embedded_dir(settings.engine.cache_dir)  # transformers shows a progress bar while converting
     app = create_app(settings)
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           timeout_keep_alive=int(settings.keep_alive_s),
                                            timeout_graceful_shutdown=int(settings.drain_grace_s) + 5),
                             app.state.s5)
     app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1

@@ -20,6 +20,10 @@ class Settings:
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     drain_grace_s: float = 30.0  # SIGTERM: in-flight streams get this long to finish
+    # An idle keep-alive connection is closed after this long. It must outlast the idle expiry of
+    # client connection pools (httpx and the openai SDK: 5 s; load balancers: often 60 s): when the
+    # server closes first, a request the client sends on that connection at the same moment fails.
+    keep_alive_s: float = 75.0
 
 
 def _env(name: str, default, cast=str):
@@ -51,6 +55,8 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--session-ttl", type=float, default=_env("SESSION_TTL", 3600.0, float))
     p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 4 << 20, int))
     p.add_argument("--drain-grace", type=float, default=_env("DRAIN_GRACE", 30.0, float))
+    p.add_argument("--keep-alive", type=float, default=_env("KEEP_ALIVE", 75.0, float),
+                   help="seconds an idle HTTP connection stays open (keep above clients' pool expiry)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     a = p.parse_args(argv)
@@ -66,4 +72,5 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
     return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,
                     api_keys=tuple(k.strip() for k in keys), session_ttl_s=a.session_ttl,
-                    max_body_bytes=a.max_body_bytes, drain_grace_s=a.drain_grace)
+                    max_body_bytes=a.max_body_bytes, drain_grace_s=a.drain_grace,
+                    keep_alive_s=a.keep_alive)

@@ -31,7 +31,8 @@ class LiveServer:
         self.state = self.app.state.s5
         self.url = f"http://127.0.0.1:{settings.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port,
-                                                    log_level="warning"))
+                                                    log_level="warning",
+                                                    timeout_keep_alive=int(settings.keep_alive_s)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self):

@@ -29,30 +29,33 @@ def storm_server():
 
 
 async def turn(client, sid, ids, max_tokens, cut_after_s):
-    """Streams one turn; returns its token ids, or None when the client cut it."""
-    async def consume():
+    """Streams one turn; returns its token ids, or None when the client cut it. The cut timer starts
+    once the server has answered 200: the turn is then in the engine (queued, prefilling or
+    decoding). A cut before that leaves the client no way to know whether the server will still
+    receive the request, so a following turn could race it."""
+    async def read(r):
         out = []
-        while True:
-            async with client.stream("POST", f"/v1/sessions/{sid}/generate",
-                                     json={"input": ids, "max_tokens": max_tokens, "temperature": 0,
-                                           "ignore_eos": True}) as r:
-                if r.status_code == 409:  # the previous (cut) turn is still being aborted
-                    await asyncio.sleep(0.02)
-                    continue
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        ev = json.loads(line[6:])
-                        assert ev.get("type") != "error" and "error" not in ev, ev
-                        out += ev.get("token_ids", []) if ev["type"] == "token" else []
-                return out
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                assert ev.get("type") != "error" and "error" not in ev, ev
+                out += ev.get("token_ids", []) if ev["type"] == "token" else []
+        return out
 
-    if cut_after_s is None:
-        return await consume()
-    try:
-        return await asyncio.wait_for(consume(), cut_after_s)
-    except asyncio.TimeoutError:
-        return None
+    while True:
+        async with client.stream("POST", f"/v1/sessions/{sid}/generate",
+                                 json={"input": ids, "max_tokens": max_tokens, "temperature": 0,
+                                       "ignore_eos": True}) as r:
+            if r.status_code == 409:  # the previous (cut) turn is still being aborted
+                await asyncio.sleep(0.02)
+                continue
+            assert r.status_code == 200, await r.aread()
+            if cut_after_s is None:
+                return await read(r)
+            try:
+                return await asyncio.wait_for(read(r), cut_after_s)
+            except asyncio.TimeoutError:
+                return None  # leaving the block closes the connection mid-stream
 
 
 async def session_run(client, server, plan):
