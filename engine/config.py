@@ -28,8 +28,9 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # bytes for paged blocks (exact layers), all rows together
     # When rows run short, the least recently used idle session's row moves to host memory (and
     # comes back exactly, without recompute, on its next turn) while swapped rows stay under this
-    # many bytes; beyond it, such a session is closed (`session_evicted`). 0: always close. (A row
-    # held by a session whose next turn is still queued is always swapped, never closed.)
+    # many bytes; beyond it, the row is given up and the session's next turn rebuilds it exactly
+    # by replaying its transcript's forwards. 0: always rebuild. (A row held by a session whose
+    # next turn is still queued is always swapped.)
     swap_bytes: int = 4 << 30
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
@@ -38,6 +39,10 @@ class EngineConfig:
     # on for CUDA, off for the CPU; True on the CPU runs the same static step uncaptured.
     decode_graphs: bool | None = None
     max_graph_batch: int = 256  # the largest decode batch captured (larger steps run eagerly)
+    # SQLite file that keeps session transcripts (session_db.py): sessions then survive a restart
+    # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
+    # memory only (rows given up are still rebuilt exactly from the in-memory transcript).
+    session_db: str | None = None
     seed: int = 0  # seeds requests that carry no seed of their own
     cache_dir: str | None = None  # conversion cache for the embedded model
 

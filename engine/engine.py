@@ -8,11 +8,18 @@ session's turn is either committed (history grows) or rolled back to the last co
 A session's history is every token fed to or produced by the model. The row holds K/V for all but
 possibly the last one (a sampled token is fed only by the next forward), so a new turn feeds
 `history[kv_len:] + new input` as one logical forward: history is never prefilled twice.
+
+A session also records the logical forwards that computed its history (`forwards`: per turn, one
+prefill forward and then one-token decode forwards). A session whose row was given up (rows ran
+short and host memory for swapping too, or the server restarted with a SessionDB) gets it back on
+its next turn by replaying those forwards: under restored-S5 the K/V of bounded layers depends on
+where forwards began and ended, so only the same forwards rebuild the same row.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -32,6 +39,7 @@ from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
 from engine.sampler import greedy_batch, make_generator, sample_batch
 from engine.scheduler import Scheduler, SchedRequest
+from engine.session_db import SessionDB
 from engine.types import EngineError, FinishReason, Request, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -40,13 +48,19 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Session:
     session_id: str
-    tokens: list[int] = field(default_factory=list)  # history (the last may be uncomputed)
-    row: int | None = None  # None: no row yet, swapped to host memory, or released (re-prefill)
+    owner: str | None = None  # opaque to the engine: the service's tenant, kept with the session
+    # history (the last may be uncomputed); None: still only in the SessionDB (loaded on first use)
+    tokens: list[int] | None = field(default_factory=list)
+    # the logical forwards that computed tokens[:kv_len]: (prefill, decodes) per turn
+    forwards: list[tuple[int, int]] = field(default_factory=list)
+    num_tokens: int = 0  # len(tokens), also while tokens is None
+    row: int | None = None  # None: no row yet, swapped to host memory, or given up (rebuilt by replay)
     swapped: SwappedRow | None = None  # the row, in host memory, while the session waits for one
     busy: str | None = None  # request id of the turn in flight
     num_turns: int = 0
-    num_evictions: int = 0
+    num_evictions: int = 0  # rows given up (swapped out or released)
     last_used: float = field(default_factory=time.monotonic)
+    last_resume: dict | None = None  # how the row came back last time: swap-in or rebuild
 
 
 @dataclass
@@ -60,7 +74,8 @@ class _Live:
     generator: torch.Generator
     detok: IncrementalDetokenizer | None
     row: int | None = None
-    forward_start: int = 0  # row length when the turn's forward began
+    forward_start: int = 0  # row length when the current logical forward began
+    forward_ends: list[int] = field(default_factory=list)  # replayed forwards' ends within feed
     snapshot: RowSnapshot | None = None  # row state to restore if the turn does not complete
     row_is_new: bool = False  # row allocated for this turn (rollback frees it)
     output_ids: list[int] = field(default_factory=list)
@@ -109,16 +124,45 @@ class Engine:
         # token, logits [vocab], a view). Tests use it to record logits and to inject faults (an
         # altered row or an exception fails that request only). None in serving.
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "evictions_lru": 0,
-                      "swaps_out": 0, "swaps_in": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
+                      "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0}
         self.swapped_bytes = 0  # host bytes of swapped rows
+        self.db: SessionDB | None = None
+        if config.session_db:
+            self.db = SessionDB(config.session_db, self._fingerprint(loaded.name))
+            self._load_sessions()
+
+    def close(self) -> None:
+        """Release what outlives a step (the SessionDB connection). The engine is unusable after."""
+        if self.db is not None:
+            self.db.close()
+            self.db = None
+
+    def _fingerprint(self, model_name: str) -> str:
+        """What a stored session's K/V depends on besides its tokens."""
+        c = self.config
+        return json.dumps({"model": model_name, "dtype": c.dtype, "quantization": c.quantization,
+                           "kv_policy": c.kv_policy, "kv_sink": c.kv_sink, "kv_window": c.kv_window,
+                           "vocab": self.geometry.vocab_size}, sort_keys=True)
+
+    def _load_sessions(self) -> None:
+        stored, others = self.db.load()
+        now_wall, now = time.time(), time.monotonic()
+        for st in stored:
+            self.sessions[st.session_id] = _Session(
+                st.session_id, owner=st.owner, tokens=None, num_tokens=st.num_tokens, num_turns=st.num_turns,
+                last_used=now - max(0.0, now_wall - st.last_used))
+        log.info("session store %s: %d sessions loaded%s", self.db.path, len(stored),
+                 f", {others} stored under another model or KV policy left as they are" if others else "")
 
     # ---- sessions -----------------------------------------------------------------------------
-    def create_session(self, session_id: str | None = None) -> str:
+    def create_session(self, session_id: str | None = None, owner: str | None = None) -> str:
         sid = session_id or uuid.uuid4().hex  # 128 random bits
         if sid in self.sessions or sid in self.evicted:
             raise EngineError(f"session {sid} exists", code="session_exists")
-        self.sessions[sid] = _Session(sid)
+        if self.db is not None:
+            self.db.create(sid, owner)
+        self.sessions[sid] = _Session(sid, owner=owner)
         return sid
 
     def close_session(self, session_id: str) -> bool:
@@ -132,6 +176,8 @@ class Engine:
             self.pool.free_row(s.row)
         self._drop_swapped(s)
         del self.sessions[session_id]
+        if self.db is not None:
+            self.db.delete(session_id)
         return True
 
     def reset_session(self, session_id: str) -> None:
@@ -143,10 +189,13 @@ class Engine:
             self.pool.free_row(s.row)
             s.row = None
         self._drop_swapped(s)
-        s.tokens = []
+        s.tokens, s.forwards, s.num_tokens = [], [], 0
+        if self.db is not None:
+            self.db.clear(session_id)
 
     def release_row(self, session_id: str) -> bool:
-        """Drop an idle session's row but keep its history; its next turn re-prefills it."""
+        """Drop an idle session's row but keep its history; its next turn rebuilds the row by
+        replaying the history's forwards."""
         s = self._session(session_id)
         if s.busy is not None or s.row is None:
             return False
@@ -156,16 +205,22 @@ class Engine:
         return True
 
     def session_tokens(self, session_id: str) -> list[int]:
-        return list(self._session(session_id).tokens)
+        return list(self._history(self._session(session_id)))
+
+    def _history(self, s: _Session) -> list[int]:
+        if s.tokens is None:  # first use since the server started: read the transcript
+            s.tokens, s.forwards = self.db.history(s.session_id)
+            s.num_tokens = len(s.tokens)
+        return s.tokens
 
     def session_info(self, session_id: str) -> dict:
         s = self._session(session_id)
         kv = self.pool.resident_kv_bytes(s.row) if s.row is not None else {"total": 0}
         kv_tokens = self.pool.kv_len(s.row) if s.row is not None else (s.swapped.kv_len if s.swapped else 0)
-        state = "resident" if s.row is not None else ("swapped" if s.swapped is not None else "offloaded")
+        state = "resident" if s.row is not None else ("swapped" if s.swapped is not None else "stored")
         return {
             "id": s.session_id,
-            "history_tokens": len(s.tokens),
+            "history_tokens": s.num_tokens,
             "kv_tokens": kv_tokens,
             "resident_kv_bytes": kv["total"],
             "resident_kv": kv,
@@ -174,6 +229,7 @@ class Engine:
             "state": "busy" if s.busy else state,
             "turns": s.num_turns,
             "evictions": s.num_evictions,
+            "last_resume": s.last_resume,
         }
 
     def _session(self, session_id: str) -> _Session:
@@ -203,7 +259,7 @@ class Engine:
         session = self._session(request.session_id) if request.session_id is not None else None
         if session is not None and session.busy is not None:
             raise EngineError("session has a turn in flight", code="session_busy", param="session_id")
-        history = session.tokens if session is not None else []
+        history = self._history(session) if session is not None else []
         if len(history) + len(ids) >= self.max_model_len:
             raise EngineError(
                 f"history ({len(history)}) + prompt ({len(ids)}) tokens reach the context limit of "
@@ -218,11 +274,15 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        kv_len = 0
+        kv_len, forward_ends = 0, []
         if session is not None and session.row is not None:
             kv_len = self.pool.kv_len(session.row)
         elif session is not None and session.swapped is not None:
             kv_len = session.swapped.kv_len  # the turn brings the row back from host memory
+        elif history:  # no row: rebuild it by replaying the forwards that computed the history
+            for prefill, decodes in session.forwards:
+                end = forward_ends[-1] if forward_ends else 0
+                forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
         feed = history[kv_len:] + list(ids)
         max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)
         if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
@@ -236,13 +296,14 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         live = _Live(
             request=request,
-            sched=SchedRequest(request.request_id, len(feed)),
+            sched=SchedRequest(request.request_id, len(feed), forward_ends=forward_ends),
             feed=feed,
             num_cached=kv_len,
             history_len=len(history),
             max_len=max_len,
             generator=make_generator(seed),
             detok=detok,
+            forward_ends=forward_ends,
         )
         self._live[request.request_id] = live
         if session is not None:
@@ -259,6 +320,7 @@ class Engine:
         if not self.pool.can_reserve(row, live.max_len):
             return False
         if row is None and session is not None and session.swapped is not None:  # back from host memory
+            session.last_resume = {"path": "swap-in", "tokens": session.swapped.kv_len, "forwards": 0}
             row = session.row = self.pool.swap_in(session.swapped, live.max_len)
             self._drop_swapped(session)
             self.stats["swaps_in"] += 1
@@ -268,6 +330,11 @@ class Engine:
             live.row_is_new = True
             if session is not None:
                 session.row = row
+            if live.forward_ends or live.history_len:  # a row rebuilt from the transcript
+                session.last_resume = {"path": "rebuild", "tokens": live.history_len,
+                                       "forwards": len(live.forward_ends) + 1}
+                self.stats["rebuilds"] += 1
+                self.stats["rebuild_forwards"] += len(live.forward_ends)
         elif session is not None:
             live.snapshot = self.pool.snapshot(row)
         self.pool.reserve(row, live.max_len)
@@ -278,7 +345,8 @@ class Engine:
     def _evict_idle_row(self) -> bool:
         """Rows ran out: the least recently used idle session that holds one gives it up. Its row
         moves to host memory while swapped rows fit in `swap_bytes` (the next turn brings it back
-        exactly); otherwise the session is closed (`session_evicted`)."""
+        exactly, no recompute); otherwise the row is freed and the next turn rebuilds it by
+        replaying the session's forwards (exact, at the cost of recomputing them)."""
         # idle: no turn, or a turn still queued (it does not use its row yet; without this, rows
         # held by queued turns behind the one being admitted would never come free)
         idle = [s for s in self.sessions.values()
@@ -286,14 +354,17 @@ class Engine:
         if not idle:
             return False
         victim = min(idle, key=lambda s: (s.busy is not None, s.last_used))
+        victim.num_evictions += 1
+        # a queued turn planned its feed from this row's length: that row must come back as it was
         if self.swapped_bytes + self._row_bytes(victim.row) <= self.config.swap_bytes or victim.busy is not None:
             victim.swapped = self.pool.swap_out(victim.row)
             victim.row = None
             self.swapped_bytes += victim.swapped.nbytes
             self.stats["swaps_out"] += 1
             return True
-        self.evict_session(victim.session_id, "lru")
-        self.stats["evictions_lru"] += 1
+        self.pool.free_row(victim.row)
+        victim.row = None
+        self.stats["rows_released"] += 1
         return True
 
     def _row_bytes(self, row: int) -> int:
@@ -356,7 +427,9 @@ class Engine:
                 off = live.sched.num_computed - c.num_tokens
                 tokens, fstart = live.feed[off : off + c.num_tokens], live.forward_start
                 self.stats["prefill_tokens"] += c.num_tokens
-            chunk = ForwardChunk(live.row, c.num_tokens, start, fstart, c.prefill_done)
+                if c.forward_done and not c.prefill_done:  # a replayed forward ends: the next begins
+                    live.forward_start = start + c.num_tokens
+            chunk = ForwardChunk(live.row, c.num_tokens, start, fstart, c.forward_done)
             inputs.append(RunnerInput(chunk, tokens, wants_logits=c.prefill_done))
             lives.append(live)
         self.stats["steps"] += 1
@@ -448,7 +521,14 @@ class Engine:
             if live.row is not None:
                 self.pool.free_row(live.row)
         elif completed:
-            session.tokens = session.tokens[: live.history_len] + list(live.request.prompt_token_ids) + live.output_ids
+            new = list(live.request.prompt_token_ids) + live.output_ids
+            session.tokens = session.tokens[: live.history_len] + new
+            session.num_tokens = len(session.tokens)
+            last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
+            if self.db is not None:
+                self.db.append_turn(session.session_id, len(session.forwards), new, last_prefill,
+                                    len(live.output_ids) - 1, session.num_tokens)
+            session.forwards = session.forwards + [(last_prefill, len(live.output_ids) - 1)]
             session.num_turns += 1
             self.pool.trim(live.row)
         elif live.row is not None:  # abort or error: back to the last completed turn

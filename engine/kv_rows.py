@@ -225,7 +225,8 @@ class RowPool:
         assert state.staging is None, "a row is swapped only between forwards"
         sl = self._ring_range(row)
         host = torch.device("cpu")
-        slots = torch.tensor(self.paged_slots(row, 0, state.kv_len), dtype=torch.long, device=self.device)
+        held = state.kv_len if self.paged_layers else 0  # with no paged layers a row holds no blocks
+        slots = torch.tensor(self.paged_slots(row, 0, held), dtype=torch.long, device=self.device)
         out = SwappedRow(
             kv_len=state.kv_len,
             ring_pos=self.ring_pos[row].clone(),
@@ -248,7 +249,8 @@ class RowPool:
         for i in self.ring_layers:
             self.k[i][sl] = swapped.ring_k[i].to(self.device)
             self.v[i][sl] = swapped.ring_v[i].to(self.device)
-        slots = torch.tensor(self.paged_slots(row, 0, swapped.kv_len), dtype=torch.long, device=self.device)
+        held = swapped.kv_len if self.paged_layers else 0
+        slots = torch.tensor(self.paged_slots(row, 0, held), dtype=torch.long, device=self.device)
         for i in self.paged_layers:
             self.k[i].index_copy_(0, slots, swapped.paged_k[i].to(self.device))
             self.v[i].index_copy_(0, slots, swapped.paged_v[i].to(self.device))

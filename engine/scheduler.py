@@ -5,6 +5,8 @@ Policy (continuous batching with chunked prefill):
   2. requests still prefilling continue, in admission order, with chunks that fit the token budget;
   3. waiting requests are admitted in arrival order while the budget, the per-step row limit and
      the KV capacity allow it (the capacity check and commit are the caller's: `KVCapacity`).
+A request's prefill is one logical forward, or several when a row is rebuilt from a stored
+transcript (`forward_ends`): a chunk never crosses the end of one, so each is replayed as it ran.
 Admission is FIFO: a request that does not fit blocks those behind it, so big requests are not
 starved by a stream of small ones.
 """
@@ -12,7 +14,7 @@ starved by a stream of small ones.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -22,6 +24,10 @@ class SchedRequest:
     num_prompt_tokens: int  # tokens to prefill for this turn
     num_computed: int = 0  # prompt tokens already scheduled
     decoding: bool = False  # prefill done; each step feeds the last sampled token
+    # ends (token counts) of the logical forwards that precede the last one; empty: the prefill
+    # is one logical forward (chunked as the budget allows)
+    forward_ends: list[int] = field(default_factory=list)
+    _next_end: int = 0  # index into forward_ends of the next end not reached yet
 
     @property
     def num_remaining(self) -> int:
@@ -34,6 +40,7 @@ class ScheduledChunk:
     num_tokens: int  # tokens to feed this step
     prefill_done: bool  # the last prompt token is in this chunk (always True for a decode)
     decode: bool = False  # feeds the last sampled token
+    forward_done: bool = True  # a logical forward ends with this chunk (always at prefill_done)
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,14 @@ class Scheduler:
     @staticmethod
     def _prefill(r: SchedRequest, budget: int) -> ScheduledChunk:
         n = min(r.num_remaining, budget)
+        forward_done = False
+        if r._next_end < len(r.forward_ends):
+            to_end = r.forward_ends[r._next_end] - r.num_computed
+            if n >= to_end:
+                n, forward_done = to_end, True
+                r._next_end += 1
         r.num_computed += n
         done = r.num_remaining == 0
         if done:
             r.decoding = True
-        return ScheduledChunk(r.request_id, n, done)
+        return ScheduledChunk(r.request_id, n, done, forward_done=forward_done or done)

@@ -58,6 +58,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
                 t.cancel()
             if state.worker is not None:
                 await state.worker.stop()
+                if not state.worker.alive:
+                    state.worker.engine.close()
 
     # With API keys on, only /health and /ready answer without one: the interactive docs and the
     # schema route are off (the schema stays available in-process through app.openapi()).
@@ -78,6 +80,8 @@ async def _start(state: AppState, loaded: LoadedModel | None) -> None:
         state.tokenizer = engine.tokenizer
         state.max_model_len = engine.max_model_len
         state.model_name = state.model_name or engine.model_name
+        for sid, s in engine.sessions.items():  # sessions kept from before a restart (SessionDB)
+            state.sessions.add(sid, s.owner)
         worker = Worker(engine, on_step=state.metrics.on_step)
         await worker.start()
         state.worker = worker

@@ -28,13 +28,16 @@ class Metrics:
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
         self.swaps = Counter("s5_session_swaps", "Session rows moved to host memory (out) and back (in)",
                              ["direction"], registry=r)
+        self.resumes = Counter("s5_session_resumes", "Session rows brought back for a turn: swap-in (from host "
+                               "memory, no recompute) or rebuild (replaying the transcript's forwards)",
+                               ["path"], registry=r)
+        self.rebuild_forwards = Counter("s5_session_rebuild_forwards", "Forwards replayed to rebuild rows", registry=r)
         self.swapped_bytes = Gauge("s5_swapped_kv_bytes", "Host bytes of swapped session rows", registry=r)
         self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
         self._lag_max = 0.0
-        self._lru_seen = 0
-        self._swaps_seen = {"out": 0, "in": 0}
+        self._seen = {"swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0}
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Called on the engine thread after every step."""
@@ -46,15 +49,15 @@ class Metrics:
         if pool.paged_layers:
             self.kv_utilization.set(1 - pool.num_free_blocks / (pool.num_blocks - 1))
         self.sessions.set(len(engine.sessions))
-        lru = engine.stats["evictions_lru"]
-        if lru > self._lru_seen:
-            self.evictions.labels("lru").inc(lru - self._lru_seen)
-            self._lru_seen = lru
-        for direction in ("out", "in"):
-            n = engine.stats[f"swaps_{direction}"]
-            if n > self._swaps_seen[direction]:
-                self.swaps.labels(direction).inc(n - self._swaps_seen[direction])
-                self._swaps_seen[direction] = n
+        counters = {"swaps_out": self.swaps.labels("out"), "swaps_in": self.swaps.labels("in"),
+                    "rebuilds": self.resumes.labels("rebuild"), "rebuild_forwards": self.rebuild_forwards}
+        for key, counter in counters.items():
+            n = engine.stats[key]
+            if n > self._seen[key]:
+                counter.inc(n - self._seen[key])
+                if key == "swaps_in":
+                    self.resumes.labels("swap-in").inc(n - self._seen[key])
+                self._seen[key] = n
         self.swapped_bytes.set(engine.swapped_bytes)
 
     def observe_loop_lag(self, seconds: float) -> None:

@@ -26,6 +26,13 @@ class Settings:
     keep_alive_s: float = 75.0
 
 
+def default_session_db() -> str:
+    """Where `s5serve serve` keeps session transcripts unless told otherwise: the user's state
+    directory (XDG_STATE_HOME, else ~/.local/state)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "s5serve", "sessions.sqlite3")
+
+
 def _env(name: str, default, cast=str):
     raw = os.environ.get(f"S5_{name}")
     return default if raw is None else cast(raw)
@@ -55,6 +62,9 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--session-ttl", type=float, default=_env("SESSION_TTL", 3600.0, float))
     p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 4 << 20, int))
     p.add_argument("--drain-grace", type=float, default=_env("DRAIN_GRACE", 30.0, float))
+    p.add_argument("--session-db", default=_env("SESSION_DB", default_session_db()),
+                   help="SQLite file keeping session transcripts, so sessions survive restarts "
+                        "('none': sessions live in memory only)")
     p.add_argument("--keep-alive", type=float, default=_env("KEEP_ALIVE", 75.0, float),
                    help="seconds an idle HTTP connection stays open (keep above clients' pool expiry)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
@@ -68,6 +78,7 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
         kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         quantization=quantization, swap_bytes=a.swap_bytes,
+        session_db=None if a.session_db.lower() in ("", "none") else a.session_db,
     )
     keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
     return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,

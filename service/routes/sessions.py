@@ -31,7 +31,7 @@ async def _engine_call(st, fn, *args):
 async def create_session(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    sid = await _engine_call(st, st.worker.engine.create_session)
+    sid = await _engine_call(st, st.worker.engine.create_session, None, owner)
     st.sessions.add(sid, owner)
     return {"id": sid, "object": "session", "created": int(time.time()), "model": st.model_name}
 

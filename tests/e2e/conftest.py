@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -79,7 +80,8 @@ def server_process(log_path, *args: str):
     """A real `s5serve serve` process on a free port; yields (process, url) once it is ready."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # sessions go to a file beside the log unless the test names one (`--session-db`)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "S5_SESSION_DB": str(Path(log_path).parent / "sessions.sqlite3")}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args],
                             env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
@@ -102,10 +104,12 @@ def server_process(log_path, *args: str):
             proc.kill()
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
+def metric(url: str, name: str, labels: str = "", headers: dict | None = None) -> float:
     """One sample of /metrics, 0.0 when absent."""
     want = name + ("{" + labels + "}" if labels else "")
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    r = httpx.get(f"{url}/metrics", headers=headers)
+    assert r.status_code == 200, r.text
+    for line in r.text.splitlines():
         if not line.startswith("#") and line.rsplit(" ", 1)[0] == want:
             return float(line.rsplit(" ", 1)[1])
     return 0.0

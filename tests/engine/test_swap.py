@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine import Engine, EngineConfig, EngineError, Request
+from engine import Engine, EngineConfig, Request
 from tests.helpers import greedy, tiny_loaded
 
 
@@ -48,7 +48,7 @@ def test_swapped_rows_come_back_exactly(policy):
     tight.check_invariants()
 
 
-def test_without_swap_space_idle_sessions_are_evicted():
+def test_without_swap_space_rows_are_given_up_and_rebuilt():
     cfg = EngineConfig(model="tiny-random", max_rows=1, kv_cache_bytes=1 << 22, swap_bytes=0)
     engine = Engine(cfg, tiny_loaded(0))
     a, b = engine.create_session(), engine.create_session()
@@ -56,7 +56,10 @@ def test_without_swap_space_idle_sessions_are_evicted():
         engine.add_request(Request(f"{sid}-0", [5, 6, 7], greedy(3), session_id=sid))
         while engine.has_work():
             engine.step()
-    assert engine.stats["swaps_out"] == 0 and engine.stats["evictions_lru"] == 1
-    with pytest.raises(EngineError) as err:
-        engine.add_request(Request("again", [8], greedy(2), session_id=a))
-    assert err.value.code == "session_evicted"
+    assert engine.stats["swaps_out"] == 0 and engine.stats["rows_released"] == 1
+    assert engine.session_info(a)["state"] == "stored" and engine.session_info(a)["history_tokens"] == 6
+    engine.add_request(Request("again", [8], greedy(2), session_id=a))  # the session is still there
+    while engine.has_work():
+        engine.step()
+    assert engine.session_info(a)["last_resume"]["path"] == "rebuild" and engine.stats["rows_released"] == 2
+    engine.check_invariants()
