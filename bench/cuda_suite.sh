@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
-# eager, oracle, HF generate, block reuse), then decode-1238 throughput on random-weight BENCH.md
-# shapes.   bash bench/cuda_suite.sh [results dir] [quick|full]
+# eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
+# decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity]
+# A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if ! python3 -c "import bitsandbytes" 2>/dev/null && ls wheels/bitsandbytes-*.whl >/dev/null 2>&1; then
+  pip install -q --no-deps wheels/bitsandbytes-*.whl 2>&1 | tail -1
+fi
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -s 2>&1 | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
+python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null || echo "bitsandbytes: not installed"
+run_tests() {
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -s 2>&1 | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
+}
 case "${2:-}" in
-  quick) python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
+  quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
+  capacity)
+    python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   full)
+    run_tests
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --out "$OUT"
     python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 64 --out "$OUT"
     python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
   *)
-    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 64 --out "$OUT"
-    python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 256 --out "$OUT" ;;
+    run_tests
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights float32 bnb-4bit \
+      --float32-policies s5 native --n 1 64 --out "$OUT" ;;
 esac

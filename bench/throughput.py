@@ -39,9 +39,11 @@ def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> li
     return out
 
 
-def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str) -> dict:
-    cfg = EngineConfig(model="bench", device=device, kv_policy=policy, max_rows=max(len(prompts), 1),
-                       max_num_batched_tokens=2048, kv_cache_bytes=max(2 << 30, len(prompts) * (64 << 20)))
+def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **config) -> dict:
+    """`config`: EngineConfig fields to override (capacity runs size the pool themselves)."""
+    cfg = EngineConfig(**{"model": "bench", "device": device, "kv_policy": policy, "max_rows": max(len(prompts), 1),
+                          "max_num_batched_tokens": 2048,
+                          "kv_cache_bytes": max(2 << 30, len(prompts) * (64 << 20)), **config})
     engine = Engine(cfg, loaded)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -60,12 +62,16 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str) -> di
     per_session = (engine.pool.ring_row_bytes
                    + engine.pool.blocks_for(len(prompts[0]) + new_tokens) * engine.pool.block_bytes)
     dec = engine.runner.decoder
-    return {
+    res = {
         "decode_tok_s": decoded / (t_last - t_all),
         "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
         "kv_bytes_per_session": per_session,
     }
+    del engine, dec  # the pool and the captured graphs go before the next run
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
 
 
 class _StepClock:
@@ -112,8 +118,9 @@ SHAPES = {
 }
 
 
-def shape_models(name: str, device: str, dtype: torch.dtype):
-    """Two identical random-weight models of a BENCH.md shape: one for the engine, one for HF."""
+def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = True):
+    """Two identical random-weight models of a BENCH.md shape: one for the engine, one for HF
+    (None without `with_hf`)."""
     import copy
 
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -122,6 +129,8 @@ def shape_models(name: str, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = Gemma3ForCausalLM(cfg).to(dtype).eval()
+    if not with_hf:
+        return model, None
     hf = copy.deepcopy(model)
     hf.set_attn_implementation("sdpa")
     return model, hf
@@ -210,8 +219,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", nargs="+", default=None,
-                    help="engine weight precisions: float32 (the --dtype weights), int8 (CPU); "
-                         "default: float32 int8 on the CPU, float32 on CUDA")
+                    help="engine weight precisions: float32 (the --dtype weights), int8 (CPU), bnb-4bit "
+                         "(CUDA); default: float32 int8 on the CPU, float32 on CUDA")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--prompt-len", type=int, default=1238)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -226,11 +235,21 @@ def main() -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     weights = a.weights or (["float32", "int8"] if a.device == "cpu" and not a.shape else ["float32"])
     engines: dict[str, object] = {}
+    hf_for: dict[str, object] = {}  # HF baseline per engine weights, where it differs from `hf`
     if a.shape:
         from engine.model_loader import LoadedModel
 
         model, hf = shape_models(a.shape, a.device, dtype)
         engines["float32"], a.model = LoadedModel(model, None, a.shape), a.shape
+        if "bnb-4bit" in weights:  # the same weights in NF4, for the engine and for HF alike
+            import copy
+
+            from engine.model_loader import quantize_bnb4
+
+            engines["bnb-4bit"] = LoadedModel(quantize_bnb4(copy.deepcopy(model), dtype), None, a.shape)
+            hf_for["bnb-4bit"] = quantize_bnb4(copy.deepcopy(hf), dtype)
+        if "float32" not in weights:
+            del engines["float32"]
     else:
         from transformers import AutoModelForCausalLM
 
@@ -250,8 +269,9 @@ def main() -> None:
           f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}", flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
-        hf_res = run_hf(hf, prompts, a.new_tokens, pad_id=0)
+        hf_default = run_hf(hf, prompts, a.new_tokens, pad_id=0) if set(engines) - set(hf_for) else None
         for w, eng in engines.items():
+            hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
             for policy in policies:
                 res = run_engine(eng, policy, prompts, a.new_tokens, a.device)
@@ -268,7 +288,7 @@ def main() -> None:
                       f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
                       f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}", flush=True)
     qualities = {}
-    if not a.no_quality and "float32" in engines:
+    if not a.no_quality and "float32" in engines and not a.shape:
         for w in engines:
             if w != "float32":
                 qualities[w] = q = quality(engines[w], engines["float32"], a.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sqlite3
 import time
 import uuid
 from collections import OrderedDict
@@ -61,6 +62,7 @@ class _Session:
     num_evictions: int = 0  # rows given up (swapped out or released)
     last_used: float = field(default_factory=time.monotonic)
     last_resume: dict | None = None  # how the row came back last time: swap-in or rebuild
+    durable: bool = True  # its transcript is in the SessionDB (False after a failed write)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class Engine:
         # altered row or an exception fails that request only). None in serving.
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
-                      "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0}
+                      "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
         self.swapped_bytes = 0  # host bytes of swapped rows
         self.db: SessionDB | None = None
         if config.session_db:
@@ -161,7 +163,11 @@ class Engine:
         if sid in self.sessions or sid in self.evicted:
             raise EngineError(f"session {sid} exists", code="session_exists")
         if self.db is not None:
-            self.db.create(sid, owner)
+            try:
+                self.db.create(sid, owner)
+            except sqlite3.Error as exc:
+                self.stats["session_db_errors"] += 1
+                raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
         self.sessions[sid] = _Session(sid, owner=owner)
         return sid
 
@@ -176,8 +182,7 @@ class Engine:
             self.pool.free_row(s.row)
         self._drop_swapped(s)
         del self.sessions[session_id]
-        if self.db is not None:
-            self.db.delete(session_id)
+        self._store(s, self.db.delete if self.db else None, session_id)
         return True
 
     def reset_session(self, session_id: str) -> None:
@@ -190,8 +195,7 @@ class Engine:
             s.row = None
         self._drop_swapped(s)
         s.tokens, s.forwards, s.num_tokens = [], [], 0
-        if self.db is not None:
-            self.db.clear(session_id)
+        self._store(s, self.db.clear if self.db else None, session_id)
 
     def release_row(self, session_id: str) -> bool:
         """Drop an idle session's row but keep its history; its next turn rebuilds the row by
@@ -209,9 +213,31 @@ class Engine:
 
     def _history(self, s: _Session) -> list[int]:
         if s.tokens is None:  # first use since the server started: read the transcript
-            s.tokens, s.forwards = self.db.history(s.session_id)
+            try:
+                s.tokens, s.forwards = self.db.history(s.session_id)
+            except sqlite3.Error as exc:
+                self.stats["session_db_errors"] += 1
+                raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
             s.num_tokens = len(s.tokens)
         return s.tokens
+
+    def _store(self, s: _Session, write, *args) -> None:
+        """A write of a session's transcript. A failure (disk full, a locked or broken file) fails
+        neither the turn nor the engine: the session goes on in memory only, and its transcript is
+        removed from the file, so a restart cannot bring back a history that misses turns."""
+        if write is None or not s.durable:
+            return
+        try:
+            write(*args)
+        except sqlite3.Error as exc:
+            self.stats["session_db_errors"] += 1
+            s.durable = False
+            log.error("session %s: writing its transcript failed (%s); it continues in memory only",
+                      s.session_id, exc)
+            try:
+                self.db.delete(s.session_id)
+            except sqlite3.Error:
+                log.error("session %s: its stale transcript could not be removed either", s.session_id)
 
     def session_info(self, session_id: str) -> dict:
         s = self._session(session_id)
@@ -230,6 +256,7 @@ class Engine:
             "turns": s.num_turns,
             "evictions": s.num_evictions,
             "last_resume": s.last_resume,
+            "durable": self.db is not None and s.durable,  # its transcript survives a restart
         }
 
     def _session(self, session_id: str) -> _Session:
@@ -525,9 +552,8 @@ class Engine:
             session.tokens = session.tokens[: live.history_len] + new
             session.num_tokens = len(session.tokens)
             last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
-            if self.db is not None:
-                self.db.append_turn(session.session_id, len(session.forwards), new, last_prefill,
-                                    len(live.output_ids) - 1, session.num_tokens)
+            self._store(session, self.db.append_turn if self.db else None, session.session_id,
+                        len(session.forwards), new, last_prefill, len(live.output_ids) - 1, session.num_tokens)
             session.forwards = session.forwards + [(last_prefill, len(live.output_ids) - 1)]
             session.num_turns += 1
             self.pool.trim(live.row)

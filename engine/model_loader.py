@@ -163,7 +163,35 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(_quantize(model.eval(), config), tokenizer, name)
 
 
+def quantize_bnb4(model, compute_dtype: torch.dtype):
+    """bitsandbytes NF4 weights for a model already in memory (random-weight shapes, tiny test
+    models): every `nn.Linear` of the decoder layers becomes a `Linear4bit`, quantized as it moves
+    to the model's CUDA device. The embeddings and the output layer stay as they are, as
+    transformers' own 4-bit loading leaves the output layer. Models loaded from disk with
+    bnb-4bit use transformers' loader instead (load_model)."""
+    import bitsandbytes as bnb
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError("bnb-4bit quantization needs the model on a CUDA device")
+    for parent in list(model.get_decoder().layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, quant_type="nf4", device="cpu")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.to("cpu"), requires_grad=False)
+            setattr(parent, name, q.to(device))
+    return model
+
+
 def _quantize(model, config: EngineConfig):
+    if config.quantization == "bnb-4bit":
+        if not any(type(m).__name__ == "Linear4bit" for m in model.modules()):  # in-memory models
+            quantize_bnb4(model, TORCH_DTYPES[config.dtype])
+        return model
     if config.quantization == "int8":
         from engine.quant import KernelUnavailable, Q8Kernel, quantize_int8
 

@@ -17,6 +17,7 @@ STATUS = {
     "duplicate_request_id": 409,
     "queue_full": 429,
     "engine_unavailable": 503,
+    "session_store_unavailable": 503,
 }
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error",

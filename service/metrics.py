@@ -32,12 +32,14 @@ class Metrics:
                                "memory, no recompute) or rebuild (replaying the transcript's forwards)",
                                ["path"], registry=r)
         self.rebuild_forwards = Counter("s5_session_rebuild_forwards", "Forwards replayed to rebuild rows", registry=r)
+        self.store_errors = Counter("s5_session_store_errors", "Failed reads or writes of the session database "
+                                    "(a session whose write failed continues in memory only)", registry=r)
         self.swapped_bytes = Gauge("s5_swapped_kv_bytes", "Host bytes of swapped session rows", registry=r)
         self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
         self._lag_max = 0.0
-        self._seen = {"swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0}
+        self._seen = {"swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """Called on the engine thread after every step."""
@@ -50,7 +52,8 @@ class Metrics:
             self.kv_utilization.set(1 - pool.num_free_blocks / (pool.num_blocks - 1))
         self.sessions.set(len(engine.sessions))
         counters = {"swaps_out": self.swaps.labels("out"), "swaps_in": self.swaps.labels("in"),
-                    "rebuilds": self.resumes.labels("rebuild"), "rebuild_forwards": self.rebuild_forwards}
+                    "rebuilds": self.resumes.labels("rebuild"), "rebuild_forwards": self.rebuild_forwards,
+                    "session_db_errors": self.store_errors}
         for key, counter in counters.items():
             n = engine.stats[key]
             if n > self._seen[key]:

@@ -131,3 +131,36 @@ def test_sessions_survive_a_restart(tmp_path):
     assert again.session_tokens(sids[2]) == history[sids[2]] + turns[2][3][0] + after[2][0]
     other = Engine(EngineConfig(**{**BASE, "kv_window": 6}, max_rows=8, session_db=db), tiny_loaded(0))
     assert other.sessions == {} and len(again.sessions) == 3
+
+
+def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path):
+    import sqlite3
+
+    from engine import EngineError
+
+    db = str(tmp_path / "sessions.sqlite3")
+    engine = Engine(EngineConfig(**BASE, max_rows=4, session_db=db), tiny_loaded(0))
+    turns = plan(4, sessions=2, turns=2)
+    _, (broken, fine) = converse(engine, turns, rounds=[0])
+    real = engine.db.append_turn
+
+    def disk_full(session_id, *args):
+        if session_id == broken:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(session_id, *args)
+
+    engine.db.append_turn = disk_full
+    out, _ = converse(engine, turns, sids=[broken, fine], rounds=[1])
+    assert all(len(o[0]) == t[1][1] for o, t in zip(out, turns))  # both turns completed
+    assert engine.stats["session_db_errors"] == 1
+    assert not engine.session_info(broken)["durable"] and engine.session_info(fine)["durable"]
+    assert len(engine.session_tokens(broken)) == engine.session_info(broken)["history_tokens"]
+    engine.db.create = lambda *a: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
+    with pytest.raises(EngineError) as err:
+        engine.create_session()
+    assert err.value.code == "session_store_unavailable" and len(engine.sessions) == 2
+    engine.check_invariants()
+    # after a restart the session whose transcript missed a turn is gone, not half restored
+    restarted = Engine(EngineConfig(**BASE, max_rows=4, session_db=db), tiny_loaded(0))
+    assert set(restarted.sessions) == {fine}
+    assert restarted.session_tokens(fine) == engine.session_tokens(fine)
