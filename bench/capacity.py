@@ -35,7 +35,7 @@ def session_bytes(model, policy: str, length: int, device: str) -> tuple[int, in
     geo = geometry(model)
     layouts = layer_layouts(policy, geo.layer_types, geo.native_window, c.kv_sink, c.kv_window)
     dtype = next(model.parameters()).dtype
-    pool = RowPool(layouts, geo.num_kv_heads, geo.head_dim, dtype, device, num_rows=1,
+    pool = RowPool(layouts, geo.kv_shapes, dtype, device, num_rows=1,
                    block_size=c.kv_block_size, num_blocks=2)
     paged = pool.blocks_for(length) * pool.block_bytes
     return pool.ring_row_bytes + paged, paged

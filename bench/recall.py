@@ -133,7 +133,7 @@ class NeedleMaker:
 def policy_config(name: str, base: EngineConfig, max_len: int, loaded: LoadedModel) -> EngineConfig:
     """The base config under a policy, with paged KV for every row at `max_len` (+ answer)."""
     g = geometry(loaded.model)
-    per_token = len(g.layer_types) * 2 * g.num_kv_heads * g.head_dim * 4  # upper bound: all layers paged
+    per_token = sum(2 * h * d * 4 for h, d in g.kv_shapes)  # upper bound: all layers paged
     need = base.max_rows * (max_len + 256) * per_token
     return EngineConfig(**{**base.__dict__, **POLICIES[name], "kv_cache_bytes": max(base.kv_cache_bytes, need)})
 

@@ -107,7 +107,7 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
     return {"decode_tok_s": len(prompts) * (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0}
 
 
-# BENCH.md model shapes (random weights, Gemma3TextConfig, every 6th layer full attention)
+# BENCH.md model shapes (random weights, every 6th layer full attention). Gemma 3 unless "family".
 SHAPES = {
     "gemma3-270m": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
                         num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144),
@@ -115,6 +115,15 @@ SHAPES = {
                       num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144),
     "gemma3-4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208),
+    # The MoE stretch shape. Fixed by the issue: 30 layers, hidden 2816, 128 experts with top-8
+    # routing, exact layers 5/11/17/23/29. The rest (heads, head sizes, the full layers' own K/V
+    # shape with values equal to keys, MLP sizes, window) follows the published gemma-4-26B-A4B
+    # configuration as we know it; the run records the config it used.
+    "gemma4-26b-a4b": dict(family="gemma4", hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                           num_global_key_value_heads=2, attention_k_eq_v=True, enable_moe_block=True,
+                           num_experts=128, top_k_experts=8, moe_intermediate_size=704, sliding_window=1024,
+                           hidden_size_per_layer_input=0, final_logit_softcapping=30.0, vocab_size=262144),
 }
 
 
@@ -123,12 +132,18 @@ def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = Tru
     (None without `with_hf`)."""
     import copy
 
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    fields = dict(SHAPES[name])
+    if fields.pop("family", "gemma3") == "gemma4":
+        from transformers import Gemma4ForCausalLM as cls, Gemma4TextConfig
 
-    cfg = Gemma3TextConfig(**SHAPES[name], max_position_embeddings=32768, query_pre_attn_scalar=256)
+        cfg = Gemma4TextConfig(**fields, max_position_embeddings=32768)
+    else:
+        from transformers import Gemma3ForCausalLM as cls, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(**fields, max_position_embeddings=32768, query_pre_attn_scalar=256)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Gemma3ForCausalLM(cfg).to(dtype).eval()
+        model = cls(cfg).to(dtype).eval()
     if not with_hf:
         return model, None
     hf = copy.deepcopy(model)

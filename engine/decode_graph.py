@@ -98,7 +98,7 @@ class GraphDecoder:
         self.table = torch.zeros((pool.num_rows + 1, max_blocks), dtype=torch.int32, device=dev)
         self._mirrored: dict[int, list[int]] = {}
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        hkv = pool.k[0].shape[1]
+        hkv = min(k.shape[1] for k in pool.k)  # layers may differ (Gemma 4): fill the GPU on the narrowest
         self.batches = {b: DecodeBatch(pool, b, self.table, splits_for(b, hkv, sms)) for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)

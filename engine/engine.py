@@ -100,13 +100,12 @@ class Engine:
         dtype = next(loaded.model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.bfloat16  # quantized weights: K/V in the compute dtype
-        num_paged = sum(lay.paged for lay in self.layouts)
-        token_bytes = geo.num_kv_heads * geo.head_dim * torch.empty((), dtype=dtype).element_size()
-        block_bytes = 2 * config.kv_block_size * token_bytes * max(num_paged, 1)
+        item = torch.empty((), dtype=dtype).element_size()
+        paged_bytes = sum(2 * h * d * item for (h, d), lay in zip(geo.kv_shapes, self.layouts) if lay.paged)
+        block_bytes = config.kv_block_size * max(paged_bytes, 1)
         self.pool = RowPool(
             self.layouts,
-            geo.num_kv_heads,
-            geo.head_dim,
+            geo.kv_shapes,
             dtype,
             config.device,
             num_rows=config.max_rows,
@@ -396,7 +395,7 @@ class Engine:
 
     def _row_bytes(self, row: int) -> int:
         """Host bytes a swap of this row takes: its ring slots and the positions it holds."""
-        paged = self.pool.kv_len(row) * 2 * self.pool.token_bytes * len(self.pool.paged_layers)
+        paged = self.pool.kv_len(row) * self.pool.paged_position_bytes
         return paged + self.pool.ring_row_bytes
 
     def _drop_swapped(self, s: _Session) -> None:

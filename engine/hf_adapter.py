@@ -44,8 +44,7 @@ def _row_attention(module, query, key, value, attention_mask, scaling=None, drop
 class ModelGeometry:
     layer_types: list[str]
     native_window: int | None  # sliding layers' own window
-    num_kv_heads: int
-    head_dim: int
+    kv_shapes: list[tuple[int, int]]  # per layer: (num_kv_heads, head_dim) of its K and V
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
@@ -60,16 +59,25 @@ def geometry(model: PreTrainedModel) -> ModelGeometry:
         raise ValueError("model declares sliding layers but no sliding_window")
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        raise ValueError("models whose layers share another layer's K/V (num_kv_shared_layers) are not supported")
     return ModelGeometry(
         layer_types=layer_types,
         native_window=window if SLIDING_ATTENTION in layer_types else None,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=head_dim,
+        kv_shapes=[_kv_shape(cfg, i) for i in range(n)],
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
         eos_token_ids=eos_ids,
     )
+
+
+def _kv_shape(cfg, layer: int) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of one layer. Configs with per-layer attributes (Gemma 4: full
+    layers have their own head_dim and K/V heads) say so through `per_layer_config`."""
+    per_layer = getattr(cfg, "per_layer_config", None)
+    src = per_layer[layer] if per_layer is not None else cfg
+    head_dim = getattr(src, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return src.num_key_value_heads, head_dim
 
 
 def use_row_attention(model: PreTrainedModel) -> None:

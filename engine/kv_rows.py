@@ -5,6 +5,9 @@ Storage, per decoder layer (K and V alike), token-major so any set of positions 
     paged layer   [num_blocks * block_size + 1, num_kv_heads, head_dim]   block 0 is the zero block
     ring layer    [(num_rows + 1) * ring_slots, num_kv_heads, head_dim]   ring_slots = sink + window
 
+(num_kv_heads and head_dim are the layer's own: models such as Gemma 4 give full-attention
+layers other K/V shapes than sliding ones).
+
 (the last paged slot and ring row are scratch: see `scratch_paged_slot`).
 
 A row is one session (or one stateless request). It owns a list of blocks (paged layers keep every
@@ -86,8 +89,7 @@ class RowPool:
     def __init__(
         self,
         layouts: list[LayerLayout],
-        num_kv_heads: int,
-        head_dim: int,
+        kv_shapes: list[tuple[int, int]],  # per layer: (num_kv_heads, head_dim)
         dtype: torch.dtype,
         device: torch.device | str,
         num_rows: int,
@@ -110,10 +112,15 @@ class RowPool:
         if self.paged_layers and num_blocks < 2:
             raise ValueError("the paged pool needs at least 2 blocks (block 0 is reserved)")
 
-        token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self.token_bytes = token_bytes  # one position of one layer, K or V
-        self.block_bytes = 2 * block_size * token_bytes * len(self.paged_layers)
-        self.ring_row_bytes = 2 * self.ring_slots * token_bytes * len(self.ring_layers)
+        if len(kv_shapes) != len(layouts):
+            raise ValueError("one (num_kv_heads, head_dim) per layer")
+        item = torch.empty((), dtype=dtype).element_size()
+        token_bytes = [h * d * item for h, d in kv_shapes]  # one position of one layer, K or V
+        # K and V of one position on every paged layer, and on every ring layer
+        self.paged_position_bytes = 2 * sum(token_bytes[i] for i in self.paged_layers)
+        self.ring_position_bytes = 2 * sum(token_bytes[i] for i in self.ring_layers)
+        self.block_bytes = block_size * self.paged_position_bytes
+        self.ring_row_bytes = self.ring_slots * self.ring_position_bytes
 
         # One scratch place per layout, never owned by a row: the last paged slot and the ring row
         # `num_rows`. Padding lanes of a fixed-size decode batch (decode_graph.py) write there.
@@ -121,7 +128,7 @@ class RowPool:
         self.scratch_ring_row = num_rows
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        for lay in layouts:
+        for lay, (num_kv_heads, head_dim) in zip(layouts, kv_shapes):
             n = num_blocks * block_size + 1 if lay.paged else (num_rows + 1) * self.ring_slots
             # Zeroed: padding gathers read block 0 and empty ring slots, and masked keys must
             # still be finite (0 * NaN would poison the softmax).
@@ -334,7 +341,7 @@ class RowPool:
     def allocated_bytes(self) -> int:
         """Bytes of K/V storage, less the reserved zero block and the scratch places."""
         total = sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
-        scratch = 2 * self.token_bytes * (len(self.paged_layers) + self.ring_slots * len(self.ring_layers))
+        scratch = self.paged_position_bytes + self.ring_slots * self.ring_position_bytes
         return total - scratch - (self.block_bytes if self.paged_layers else 0)
 
     def used_rows(self) -> list[int]:

@@ -77,6 +77,25 @@ def oracle_logits(model, tokens: list[int], forward_starts: list[int], policy: s
     return out.logits[0].float()
 
 
+def tiny_gemma4(seed: int = 0, **overrides):
+    """A small random Gemma-4 text model with what sets it apart from Gemma 3: a mixture of
+    experts beside the dense MLP (8 experts, top-2), full-attention layers with their own K/V
+    shape (head_dim 32, 1 K/V head vs 16 and 2) and values equal to keys there (k_eq_v)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+               attention_k_eq_v=True, sliding_window=16, enable_moe_block=True, num_experts=8, top_k_experts=2,
+               moe_intermediate_size=32, hidden_size_per_layer_input=0, max_position_embeddings=4096,
+               layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+               + ["full_attention"], final_logit_softcapping=30.0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # sharper logits, as tiny_random_model
+    return model
+
+
 def tiny_loaded(seed: int = 0, **overrides):
     from engine.model_loader import LoadedModel
 

@@ -22,7 +22,7 @@ def test_layouts_per_policy():
 def test_thousand_alloc_free_cycles_keep_invariants():
     rng = random.Random(0)
     layouts = layer_layouts("s5", ["sliding_attention", "full_attention"], 32, 2, 6)
-    pool = RowPool(layouts, 2, 8, torch.float32, "cpu", num_rows=6, block_size=4, num_blocks=80)
+    pool = RowPool(layouts, [(2, 8)] * len(layouts), torch.float32, "cpu", num_rows=6, block_size=4, num_blocks=80)
     live = {}
     for cycle in range(1000):
         if live and (rng.random() < 0.5 or not pool.can_allocate_row()):

@@ -149,3 +149,29 @@ def test_embedded_s5_multiturn_matches_oracle(embedded, embedded_reference):
     results, rec = run_sessions(engine, turns, rng, max_tokens=5)
     worst, n = check_against_oracle(engine, embedded_reference, results, rec, "s5", 4, 64, 5e-3)
     print(f"\nembedded s5: {n} steps, max |diff| {worst:.2e}")
+
+
+@pytest.mark.parametrize(("policy", "static"), [("s5", False), ("s5", True), ("native", False),
+                                               ("sink-window", False)])
+def test_gemma4_moe_with_per_layer_kv_shapes_matches_oracle(policy, static):
+    """Gemma 4 (mixture of experts; full-attention layers with their own K/V heads and head size,
+    values equal to keys): every step's logits match the DESIGN-mask oracle, as Gemma 3's do."""
+    pytest.importorskip("transformers.models.gemma4")
+    from tests.helpers import tiny_gemma4
+
+    sink, window = 2, 5
+    rng = random.Random(4)
+    engine = Engine(EngineConfig(model="tiny-gemma4", kv_policy=policy, kv_sink=sink, kv_window=window,
+                                 max_num_batched_tokens=16, kv_cache_bytes=1 << 22, max_rows=8,
+                                 decode_graphs=static, max_graph_batch=3),
+                    LoadedModel(tiny_gemma4(0), None, "tiny-gemma4"))
+    shapes = {tuple(engine.pool.k[i].shape[1:]) for i in range(len(engine.layouts))}
+    assert shapes == {(2, 16), (1, 32)}
+    turns = [[rng.randrange(5, 30) for _ in range(2)] for _ in range(3)]
+    results, rec = run_sessions(engine, turns, rng, max_tokens=8)
+    assert (engine.runner.decoder is not None and engine.runner.decoder.steps >= 5) == static
+    reference = tiny_gemma4(0)
+    reference.set_attn_implementation("sdpa")
+    worst, n = check_against_oracle(engine, reference, results, rec, policy, sink, window, 2e-4)
+    engine.check_invariants()
+    print(f"\ngemma4 moe {policy}{' static' if static else ''}: {n} steps, max |diff| {worst:.2e}")
