@@ -2,8 +2,8 @@
 tensors, so the whole forward (every layer, the output layer) is captured once per batch size
 as a CUDA graph and replayed with one launch.
 
-A step qualifies when every scheduled row feeds exactly one token as a complete forward (a decode,
-or a one-token turn) and it asks for logits. The batch is padded to the next bucket size; padding
+A step qualifies when every scheduled row feeds exactly one token as a complete forward: a decode,
+a one-token turn, or a one-token forward replayed to rebuild a session's row (no logits wanted). The batch is padded to the next bucket size; padding
 lanes read the zero block and write only the pool's scratch places, so they touch no row.
 
 Per step the host writes one small int64 tensor (token ids, positions, rows, the K/V write slots
@@ -108,7 +108,7 @@ class GraphDecoder:
 
     def accepts(self, inputs) -> bool:
         return 0 < len(inputs) <= self.max_batch and all(
-            i.wants_logits and i.chunk.num_tokens == 1 and i.chunk.forward_start == i.chunk.start
+            i.chunk.num_tokens == 1 and i.chunk.forward_start == i.chunk.start
             and i.chunk.forward_done for i in inputs)
 
     def _forward(self, batch: DecodeBatch) -> torch.Tensor:
@@ -164,4 +164,7 @@ class GraphDecoder:
         else:
             logits = self._forward(batch)
         pool.commit_decodes([i.chunk.row for i in inputs], [i.chunk.start for i in inputs])
-        return logits[: len(inputs)], list(range(len(inputs)))
+        owners = [n for n, i in enumerate(inputs) if i.wants_logits]
+        if len(owners) == len(inputs):
+            return logits[: len(inputs)], owners
+        return logits[torch.tensor(owners, dtype=torch.long, device=logits.device)], owners

@@ -55,16 +55,21 @@ def max_logit_diff(a: Recorder, b: Recorder, rename: dict[str, str]) -> float:
                 - b.logits[(rid, pos)]).abs().max().item() for rid, pos in keys)
 
 
-@pytest.mark.parametrize("policy", ["s5", "native", "sink-window"])
-def test_rows_given_up_are_rebuilt_exactly(policy):
+@pytest.mark.parametrize(("policy", "static"), [("s5", False), ("native", False), ("sink-window", False),
+                                               ("s5", True)])
+def test_rows_given_up_are_rebuilt_exactly(policy, static):
+    """`static`: decode steps and the replayed one-token forwards take the fixed-size decode path."""
     turns = plan(1)
     roomy = Engine(EngineConfig(**BASE, kv_policy=policy, max_rows=8), tiny_loaded(0))
-    tight = Engine(EngineConfig(**BASE, kv_policy=policy, max_rows=2, swap_bytes=0), tiny_loaded(0))
+    tight = Engine(EngineConfig(**BASE, kv_policy=policy, max_rows=2, swap_bytes=0, decode_graphs=static),
+                   tiny_loaded(0))
     rec_roomy, rec_tight = Recorder(roomy), Recorder(tight)
     want, sids_r = converse(roomy, turns)
     got, sids_t = converse(tight, turns)
     diff = max_logit_diff(rec_roomy, rec_tight, dict(zip(sids_t, sids_r)))
-    print(f"\n{policy}: {tight.stats['rebuilds']} rows rebuilt by replaying {tight.stats['rebuild_forwards']} "
+    if static:
+        assert tight.runner.decoder.steps > 100
+    print(f"\n{policy}{' static' if static else ''}: {tight.stats['rebuilds']} rows rebuilt by replaying {tight.stats['rebuild_forwards']} "
           f"forwards, {tight.stats['swaps_out']} swapped; max |logit diff| vs never left {diff:.2e}")
     assert tight.stats["rebuilds"] >= 8 and roomy.stats["rebuilds"] == 0
     assert got == want and diff < 1e-4
