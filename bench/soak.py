@@ -50,6 +50,7 @@ class Soak:
         self.vocab_hi = vocab_hi
         self.counts: Counter = Counter()
         self.errors: list[str] = []
+        self.kept: list[str] = []  # sessions left open; later turns come back to them
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(3, self.vocab_hi) for _ in range(self.rng.randrange(3, 40))]
@@ -86,7 +87,19 @@ class Soak:
         for _ in range(self.rng.randrange(2, 5)):
             body = {"input": self.prompt(), "max_tokens": self.rng.randrange(1, 16), "stream": False}
             self.expect("session turn", await c.post(f"{self.url}/v1/sessions/{sid}/generate", json=body))
+        if self.rng.random() < 0.3:  # left open: its row ends up swapped or given up, and rebuilt later
+            self.kept.append(sid)
+            return
         self.expect("session delete", await c.delete(f"{self.url}/v1/sessions/{sid}"))
+
+    async def revisit(self, c: httpx.AsyncClient) -> None:
+        if not self.kept:
+            return
+        sid = self.rng.choice(self.kept)
+        body = {"input": self.prompt(), "max_tokens": self.rng.randrange(1, 16), "stream": False}
+        # 409: another client is in a turn of the same session
+        self.expect("session revisit", await c.post(f"{self.url}/v1/sessions/{sid}/generate", json=body),
+                    ok=(200, 409))
 
     async def cancel(self, c: httpx.AsyncClient) -> None:
         body = {"prompt": self.prompt(), "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -109,7 +122,7 @@ class Soak:
         self.expect("bad request", r, ok=(400,))
 
     async def client(self, deadline: float) -> None:
-        actions = [self.completion] * 5 + [self.session] * 2 + [self.cancel, self.bad]
+        actions = [self.completion] * 5 + [self.session] * 2 + [self.revisit, self.cancel, self.bad]
         async with httpx.AsyncClient(timeout=120) as c:
             while time.monotonic() < deadline:
                 try:
@@ -126,9 +139,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--swap-bytes", type=int, default=1 << 18, help="host memory for idle rows (about 3 rows of the tiny model)")
+    ap.add_argument("--session-db", default="",
+                    help="session database (default: a fresh file in a temporary directory; 'none': off)")
     a = ap.parse_args()
 
-    cfg = EngineConfig(model=a.model, max_rows=a.rows, kv_cache_bytes=64 << 20)
+    import sqlite3
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory()
+    db = None if a.session_db == "none" else (a.session_db or str(Path(tmp.name) / "sessions.sqlite3"))
+    # a small swap budget: idle sessions' rows go to host memory first, then are given up and rebuilt
+    cfg = EngineConfig(model=a.model, max_rows=a.rows, kv_cache_bytes=64 << 20, session_db=db,
+                       swap_bytes=a.swap_bytes)
     loaded = load_model(cfg)
     settings = Settings(engine=cfg, port=free_port(), max_queued=4 * a.rows)
     app = create_app(settings, loaded)
@@ -170,8 +193,16 @@ def main() -> None:
     leaked_rows = on_engine(lambda e: len(e.pool.used_rows()) - sum(s.row is not None for s in e.sessions.values()))
     on_engine(lambda e: e.check_invariants())
     open_sessions = on_engine(lambda e: len(e.sessions))
+    stats = on_engine(lambda e: dict(e.stats))
     server.should_exit = True
     thread.join(15)
+    stored, db_bytes = None, None
+    if db is not None:  # the file holds exactly the open sessions (deleted ones left it)
+        with sqlite3.connect(db) as con:
+            (stored,) = con.execute("SELECT COUNT(*) FROM sessions").fetchone()
+        db_bytes = sum(p.stat().st_size for p in Path(db).parent.glob(Path(db).name + "*"))
+        if stored != open_sessions:
+            soak.errors.append(f"session database holds {stored} sessions, the engine {open_sessions}")
 
     served = sum(v for k, v in soak.counts.items() if k.endswith(" 200"))
     growth = rss["end"] - rss.get("mid", rss["end"])
@@ -180,6 +211,10 @@ def main() -> None:
     n429 = sum(v for k, v in soak.counts.items() if k.endswith(" 429"))
     print(f"{elapsed:>12.0f} {a.clients:>8} {served:>8} {n429:>6} {len(soak.errors):>7} {growth / 2**20:>17.1f} "
           f"{leaked_rows:>12} {open_sessions:>14}")
+    print(f"idle session rows: {stats['swaps_out']} swapped out, {stats['swaps_in']} back; "
+          f"{stats['rows_released']} given up, {stats['rebuilds']} rebuilt by replaying {stats['rebuild_forwards']} forwards")
+    if db is not None:
+        print(f"session database: {stored} sessions stored (= open sessions), {db_bytes / 2**20:.2f} MiB with its WAL")
     for e in soak.errors[:10]:
         print("  error:", e)
     out = Path(a.out)
@@ -189,6 +224,8 @@ def main() -> None:
         "bench": "soak", "model": a.model, "duration_s": elapsed, "clients": a.clients, "served_200": served,
         "rejected_429": n429, "errors": soak.errors, "counts": dict(soak.counts), "rss_bytes": rss,
         "rss_growth_mid_to_end_bytes": growth, "leaked_rows": leaked_rows, "open_sessions_after": open_sessions,
+        "session_db": {"stored_sessions": stored, "bytes": db_bytes} if db is not None else None,
+        "engine_stats": stats,
     }, indent=1))
     print(f"wrote {path}")
     if soak.errors or leaked_rows:
