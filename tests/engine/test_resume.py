@@ -55,8 +55,7 @@ def max_logit_diff(a: Recorder, b: Recorder, rename: dict[str, str]) -> float:
                 - b.logits[(rid, pos)]).abs().max().item() for rid, pos in keys)
 
 
-@pytest.mark.parametrize(("policy", "static"), [("s5", False), ("native", False), ("sink-window", False),
-                                               ("s5", True)])
+@pytest.mark.parametrize(("policy", "static"), [("s5", False), ("sink-window", False), ("s5", True)])
 def test_rows_given_up_are_rebuilt_exactly(policy, static):
     """`static`: decode steps and the replayed one-token forwards take the fixed-size decode path."""
     turns = plan(1)
