@@ -20,7 +20,7 @@ Prints tables, writes JSON (and, with matplotlib installed, one depth x length h
 to bench/results/. `--quick` is the CI variant: it exits non-zero if any cell has s5 recall
 below native recall minus one case.
 
-    python -m bench.recall --quick          # ~6 minutes on 2 CPU cores
+    python -m bench.recall --quick          # ~5 minutes on 2 CPU cores
     python -m bench.recall                  # the full CPU grid (see README for its runtime)
 """
 
@@ -352,9 +352,10 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     fid_policies = a.fidelity_policies or (policies if quick or a.policies else [*policies, "s5-w256"])
     if "native" not in fid_policies:
         fid_policies = ["native", *fid_policies]
-    gaps = a.gaps or ([2, 4] if quick else [2, 3, 4, 5, 6])
-    n_agree = a.agreement_prompts if a.agreement_prompts is not None else (8 if quick else 50)
-    n_docs = a.ppl_docs if a.ppl_docs is not None else (2 if quick else 16)
+    # the quick variant keeps the whole needle grid it checks and a smaller sample of the rest
+    gaps = a.gaps or ([2] if quick else [2, 3, 4, 5, 6])
+    n_agree = a.agreement_prompts if a.agreement_prompts is not None else (4 if quick else 50)
+    n_docs = a.ppl_docs if a.ppl_docs is not None else (1 if quick else 16)
     quant = None if a.quantization in ("none", "None", "") else a.quantization
     if quick and not {"native", "s5"} <= set(policies):
         ap.error("--quick compares s5 with native: keep both in --policies")
@@ -364,9 +365,12 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     t_start = time.perf_counter()
     print(f"recall: lengths {lengths}, depths {depths}, {cases} cases/cell, policies {policies}, "
           f"weights {quant or 'float32'}", flush=True)
+    phases = {}  # seconds per part of the run
     grid = needle_grid(loaded, base, policies, lengths, depths, cases)
     tables = {p: cell_table(grid["hits"][p], lengths, depths, cases) for p in policies}
+    phases["needle_grid"] = time.perf_counter() - t_start
     mt = multi_turn(loaded, base, policies, gaps, max(2, cases))
+    phases["multi_turn"] = time.perf_counter() - t_start - sum(phases.values())
     mt_by_gap = {p: {str(g): sum(v for (gg, _), v in mt[p].items() if gg == g) for g in gaps} for p in policies}
 
     greedy_by_policy = {}
@@ -376,6 +380,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
             greedy_by_policy[p] = greedy_tokens(loaded, policy_config(p, base, a.agreement_len + 64, loaded), prompts)
     agree = {p: agreement(greedy_by_policy[p], greedy_by_policy["native"]) for p in greedy_by_policy
              if "native" in greedy_by_policy}
+    phases["agreement"] = time.perf_counter() - t_start - sum(phases.values())
     ppl = {}
     if n_docs:
         from transformers import AutoModelForCausalLM
@@ -389,6 +394,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
         ppl = perplexity(ref, loaded.tokenizer, fid_policies, n_docs)
         del ref
     elapsed = time.perf_counter() - t_start
+    phases["perplexity"] = elapsed - sum(phases.values())
 
     # ---- report ---------------------------------------------------------------------------------
     print(f"\nneedle recall, cases recalled of {cases} per cell (length x depth)")
@@ -418,7 +424,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
             ag = agree.get(p)
             print(f"{p:>8} {pp} {ag['token_agreement'] if ag else 0:>15.1%} "
                   f"{(str(ag['identical']) + '/' + str(ag['prompts'])) if ag else '-':>13}")
-    print(f"\nran in {elapsed / 60:.1f} min")
+    print(f"\nran in {elapsed / 60:.1f} min (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -433,6 +439,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
 
     result = {
         "bench": "recall", "quick": quick, "model": loaded.name, "weights": quant or "float32",
+        "seconds": phases,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "commit": commit},
         "lengths": lengths, "depths": depths, "cases_per_cell": cases, "policies": policies,
