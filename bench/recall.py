@@ -20,7 +20,7 @@ Prints tables, writes JSON (and, with matplotlib installed, one depth x length h
 to bench/results/. `--quick` is the CI variant: it exits non-zero if any cell has s5 recall
 below native recall minus one case.
 
-    python -m bench.recall --quick          # ~5 minutes on 2 CPU cores
+    python -m bench.recall --quick          # ~6 minutes on 2 CPU cores
     python -m bench.recall                  # the full CPU grid (see README for its runtime)
 """
 
