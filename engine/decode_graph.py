@@ -3,8 +3,9 @@ tensors, so the whole forward (every layer, the output layer) is captured once p
 as a CUDA graph and replayed with one launch.
 
 A step qualifies when every scheduled row feeds exactly one token as a complete forward: a decode,
-a one-token turn, or a one-token forward replayed to rebuild a session's row (no logits wanted). The batch is padded to the next bucket size; padding
-lanes read the zero block and write only the pool's scratch places, so they touch no row.
+a one-token turn, or a one-token forward replayed to rebuild a session's row (no logits wanted).
+The batch is padded to the next bucket size; padding lanes read the zero block and write only the
+pool's scratch places, so they touch no row.
 
 Per step the host writes one small int64 tensor (token ids, positions, rows, the K/V write slots
 on paged and ring layers) and copies it to the device without a sync; block tables live in a

@@ -202,10 +202,14 @@ class Engine:
         s = self._session(session_id)
         if s.busy is not None or s.row is None:
             return False
+        self._give_up_row(s)
+        return True
+
+    def _give_up_row(self, s: _Session) -> None:
         self.pool.free_row(s.row)
         s.row = None
         s.num_evictions += 1
-        return True
+        self.stats["rows_released"] += 1
 
     def session_tokens(self, session_id: str) -> list[int]:
         return list(self._history(self._session(session_id)))
@@ -380,17 +384,15 @@ class Engine:
         if not idle:
             return False
         victim = min(idle, key=lambda s: (s.busy is not None, s.last_used))
-        victim.num_evictions += 1
         # a queued turn planned its feed from this row's length: that row must come back as it was
         if self.swapped_bytes + self._row_bytes(victim.row) <= self.config.swap_bytes or victim.busy is not None:
             victim.swapped = self.pool.swap_out(victim.row)
             victim.row = None
+            victim.num_evictions += 1
             self.swapped_bytes += victim.swapped.nbytes
             self.stats["swaps_out"] += 1
             return True
-        self.pool.free_row(victim.row)
-        victim.row = None
-        self.stats["rows_released"] += 1
+        self._give_up_row(victim)
         return True
 
     def _row_bytes(self, row: int) -> int:
@@ -553,7 +555,7 @@ class Engine:
             last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
             self._store(session, self.db.append_turn if self.db else None, session.session_id,
                         len(session.forwards), new, last_prefill, len(live.output_ids) - 1, session.num_tokens)
-            session.forwards = session.forwards + [(last_prefill, len(live.output_ids) - 1)]
+            session.forwards.append((last_prefill, len(live.output_ids) - 1))
             session.num_turns += 1
             self.pool.trim(live.row)
         elif live.row is not None:  # abort or error: back to the last completed turn

@@ -232,8 +232,7 @@ class RowPool:
         assert state.staging is None, "a row is swapped only between forwards"
         sl = self._ring_range(row)
         host = torch.device("cpu")
-        held = state.kv_len if self.paged_layers else 0  # with no paged layers a row holds no blocks
-        slots = torch.tensor(self.paged_slots(row, 0, held), dtype=torch.long, device=self.device)
+        slots = torch.tensor(self.paged_slots(row, 0, state.kv_len), dtype=torch.long, device=self.device)
         out = SwappedRow(
             kv_len=state.kv_len,
             ring_pos=self.ring_pos[row].clone(),
@@ -245,9 +244,6 @@ class RowPool:
         self.free_row(row)
         return out
 
-    def can_swap_in(self, swapped: SwappedRow, total_len: int) -> bool:
-        return self.can_allocate_row() and self.blocks_for(max(total_len, swapped.kv_len)) <= self.num_free_blocks
-
     def swap_in(self, swapped: SwappedRow, total_len: int) -> int:
         """A new row holding exactly what `swapped` held, with blocks for `total_len` positions."""
         row = self.allocate_row()
@@ -256,8 +252,7 @@ class RowPool:
         for i in self.ring_layers:
             self.k[i][sl] = swapped.ring_k[i].to(self.device)
             self.v[i][sl] = swapped.ring_v[i].to(self.device)
-        held = swapped.kv_len if self.paged_layers else 0
-        slots = torch.tensor(self.paged_slots(row, 0, held), dtype=torch.long, device=self.device)
+        slots = torch.tensor(self.paged_slots(row, 0, swapped.kv_len), dtype=torch.long, device=self.device)
         for i in self.paged_layers:
             self.k[i].index_copy_(0, slots, swapped.paged_k[i].to(self.device))
             self.v[i].index_copy_(0, slots, swapped.paged_v[i].to(self.device))
@@ -273,7 +268,10 @@ class RowPool:
         return self._rows[row].kv_len
 
     def paged_slots(self, row: int, start: int, end: int) -> list[int]:
-        """Storage slots of positions [start, end) on paged layers (blocks must be reserved)."""
+        """Storage slots of positions [start, end) on paged layers (blocks must be reserved); none
+        when the pool has no paged layers."""
+        if not self.paged_layers:
+            return []
         blocks, bs = self._rows[row].blocks, self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
