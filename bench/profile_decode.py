@@ -1,7 +1,10 @@
 """Where a decode step's time goes on CUDA: engine step (host wall), graph replay (device time),
-and the kernels of one static decode forward (count and the top ones by device time).
+and the kernels of one static decode forward (count and the top ones by device time). With
+`--prefill`: the wall time of each prefill step of N prompts arriving together, and the top
+host-side ops and kernels of two of those steps.
 
     python -m bench.profile_decode --shape gemma3-1b --n 1 64
+    python -m bench.profile_decode --shape gemma3-4b --n 8 --prefill --policies s5 native
 """
 
 from __future__ import annotations
@@ -60,18 +63,54 @@ def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
         print(f"  {t:7.3f} ms {c:5d}x  {name[:110]}")
 
 
+def profile_prefill(loaded, n: int, policy: str, prompt_len: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    cfg = EngineConfig(model="bench", device="cuda", kv_policy=policy, max_rows=n, max_num_batched_tokens=2048,
+                       kv_cache_bytes=max(2 << 30, n * (64 << 20)))
+    engine = Engine(cfg, loaded)
+    for i, p in enumerate(prompts_for(None, loaded.model.config.vocab_size, n, prompt_len)):
+        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=2, ignore_eos=True)))
+    walls = []
+    prof = None
+    while engine.has_work():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if len(walls) == 2:
+            with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                engine.step()
+                torch.cuda.synchronize()
+            walls += [(time.perf_counter() - t0) / 2] * 2
+            continue
+        engine.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    print(f"\nprefill N={n} {policy}: {len(walls)} steps, {sum(walls):.2f} s; per step (s): "
+          + " ".join(f"{w:.3f}" for w in walls[:12]))
+    if prof is not None:
+        avg = prof.key_averages()
+        print("  top host ops (self CPU ms over 2 steps):")
+        for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:14]:
+            print(f"  {e.self_cpu_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:100]}")
+        print("  top kernels (device ms over 2 steps):")
+        for e in sorted(avg, key=lambda e: -getattr(e, "self_device_time_total", 0))[:10]:
+            print(f"  {getattr(e, 'self_device_time_total', 0) / 1e3:9.2f} ms {e.count:6d}x  {e.key[:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gemma3-1b")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--policies", nargs="+", default=["s5"])
     ap.add_argument("--prompt-len", type=int, default=1238)
+    ap.add_argument("--prefill", action="store_true", help="profile the prefill steps instead")
     a = ap.parse_args()
     model, _ = shape_models(a.shape, "cuda", torch.bfloat16)
     loaded = LoadedModel(model, None, a.shape)
     for n in a.n:
         for policy in a.policies:
-            profile(loaded, n, policy, a.prompt_len)
+            (profile_prefill if a.prefill else profile)(loaded, n, policy, a.prompt_len)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
         "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
         "kv_bytes_per_session": per_session,
+        "layers": "fused" if engine.runner.fused is not None else "stock",
     }
     del engine, dec  # the pool and the captured graphs go before the next run
     if device.startswith("cuda"):
@@ -98,6 +99,7 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
         ids[i, n - len(p):] = torch.tensor(p)
         mask[i, n - len(p):] = 1
     ids, mask = ids.to(model.device), mask.to(model.device)
+    model.set_attn_implementation("sdpa")  # the model may be shared with an engine, which set its own
     clock = _StepClock()
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, top_k=None, top_p=None,
               logits_processor=LogitsProcessorList([clock]))
@@ -143,9 +145,16 @@ def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = Tru
         cfg = Gemma3TextConfig(**fields, max_position_embeddings=32768, query_pre_attn_scalar=256)
     torch.manual_seed(0)
     with torch.device(device):
-        model = cls(cfg).to(dtype).eval()
+        model = cls._from_config(cfg, dtype=dtype).eval()
+    if "num_experts" in fields and device.startswith("cuda"):
+        # the default experts loop syncs with the host per expert; grouped_mm does not, so the
+        # decode step can be captured as a CUDA graph
+        model.set_experts_implementation("grouped_mm")
     if not with_hf:
         return model, None
+    free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 1 << 62
+    if model.num_parameters() * dtype.itemsize > free / 3:  # no room for a second copy and the KV pool
+        return model, model  # HF and the engine take turns (fused layers are never built for these)
     hf = copy.deepcopy(model)
     hf.set_attn_implementation("sdpa")
     return model, hf
@@ -242,6 +251,9 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["s5", "native"])
     ap.add_argument("--float32-policies", nargs="+", default=None,
                     help="policies for the float32 weights when int8 runs too (default: s5)")
+    ap.add_argument("--layers", nargs="+", choices=["fused", "stock"], default=["fused"],
+                    help="the engine's fused Gemma 3 layer forward, the stock transformers layers, or both "
+                         "(models the fused forward does not take run stock either way)")
     ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall of quantized weights")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix for the result file name")
@@ -280,7 +292,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'weights':>8} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
+    print(f"{'n':>3} {'weights':>8} {'layers':>6} {'policy':>7} {'decode tok/s':>13} {'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} "
           f"{'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}", flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
@@ -288,18 +300,19 @@ def main() -> None:
         for w, eng in engines.items():
             hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
-            for policy in policies:
-                res = run_engine(eng, policy, prompts, a.new_tokens, a.device)
+            for layers, policy in [(x, p) for x in a.layers for p in policies]:
+                res = run_engine(eng, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused")
+                layers = res.pop("layers")
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
                     floor = n / ((weight_bytes[w] + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
-                row = {"n": n, "weights": label, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                row = {"n": n, "weights": label, "layers": layers, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
                 rows.append(row)
                 vs_floor = f"{res['decode_tok_s'] / floor:>7.3f}x" if floor else f"{'-':>8}"
-                print(f"{n:>3} {label:>8} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
+                print(f"{n:>3} {label:>8} {layers:>6} {policy:>7} {res['decode_tok_s']:>13.1f} {hf_res['decode_tok_s']:>9.1f} "
                       f"{res['decode_tok_s'] / hf_res['decode_tok_s']:>5.2f}x {vs_floor} {res['ttft_s']:>7.2f} "
                       f"{hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}", flush=True)
     qualities = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import hf_adapter
 from engine.kernels.decode_attention import decode_attention, splits_for
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
@@ -50,17 +49,28 @@ class DecodeBatch:
         self.padding[self.ROWS] = pool.scratch_ring_row
         self.padding[self.PAGED_SLOT] = pool.scratch_paged_slot
         self.padding[self.RING_SLOT] = pool.scratch_ring_row * pool.ring_slots
-        self.host = self.padding.clone().pin_memory() if dev.type == "cuda" else self.padding.clone()
-        self.inputs.copy_(self.host)
+        cuda = dev.type == "cuda"
+        # Two host buffers in turn: a step that wants no logits (a replayed forward) ends with no
+        # sync, so the next step must not overwrite the buffer an earlier copy may still read.
+        self.hosts = [self.padding.clone().pin_memory() if cuda else self.padding.clone() for _ in range(2)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+        self.inputs.copy_(self.hosts[0])
 
     def load(self, lanes: list[tuple[int, int, int, int, int]]) -> None:
-        """Per-lane (id, pos, row, paged slot, ring slot); the rest are padding. No host sync:
-        the previous step's read of `host` ended with that step's sync."""
+        """Per-lane (id, pos, row, paged slot, ring slot); the rest are padding. No host sync
+        beyond waiting for the copy two steps back, which the device has long finished."""
         n = len(lanes)
-        self.host[:, :n] = torch.tensor(lanes, dtype=torch.long).T
+        self.turn ^= 1
+        host, copied = self.hosts[self.turn], self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()
+        host[:, :n] = torch.tensor(lanes, dtype=torch.long).T
         if n < self.size:
-            self.host[:, n:] = self.padding[:, n:]
-        self.inputs.copy_(self.host, non_blocking=True)
+            host[:, n:] = self.padding[:, n:]
+        self.inputs.copy_(host, non_blocking=True)
+        if copied is not None:
+            copied.record()
 
     def attend(self, layer, query, key, value, scaling, softcap=None) -> torch.Tensor:
         """Attention output [1, B, H, D]; stores the new K/V. Same contract as StepAttention."""
@@ -88,11 +98,10 @@ class DecodeBatch:
 class GraphDecoder:
     """Owns the static decode batches, their CUDA graphs and the block-table mirror."""
 
-    def __init__(self, model, pool: RowPool, layer_kinds: frozenset[str], max_batch: int,
-                 max_model_len: int, capture: bool) -> None:
-        self.model = model
+    def __init__(self, forward, pool: RowPool, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """`forward(ids, positions, step, logits_index)`: the runner's model forward."""
+        self.forward = forward
         self.pool = pool
-        self.layer_kinds = layer_kinds
         self.max_batch = max_batch
         dev = pool.device
         max_blocks = max(1, min(pool.blocks_for(max_model_len), pool.num_blocks - 1)) if pool.paged_layers else 1
@@ -113,7 +122,7 @@ class GraphDecoder:
             and i.chunk.forward_done for i in inputs)
 
     def _forward(self, batch: DecodeBatch) -> torch.Tensor:
-        return hf_adapter.forward(self.model, batch.ids, batch.pos, batch, None, self.layer_kinds)
+        return self.forward(batch.ids, batch.pos, batch, None)
 
     @torch.inference_mode()
     def _capture(self) -> None:

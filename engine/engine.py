@@ -113,7 +113,7 @@ class Engine:
             num_blocks=max(2, config.kv_cache_bytes // block_bytes + 1),
         )
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
-                                  capture=self.pool.device.type == "cuda")
+                                  capture=self.pool.device.type == "cuda", fused=config.fused_layers)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, self)
         self.sessions: dict[str, _Session] = {}
         # sessions closed by the engine (LRU when rows ran out, or idle TTL): id -> reason.

@@ -6,13 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import hf_adapter
+from engine import fused_forward, hf_adapter
 from engine.attention import ForwardChunk, StepAttention
 from engine.decode_graph import GraphDecoder
 from engine.kernels.rmsnorm import fuse_norms
 from engine.kernels.small_linear import substitute_linears
 from engine.kv_rows import RowPool
+
+
+# SDPA backends for the eager (prefill and mixed) steps. Not cuDNN: its attention builds an
+# execution plan per new shape, and a step's query blocks and key ranges change shape all the
+# time; on an H200 that planning took 2 s of host time per 2,048-token prefill step of Gemma-3 4B
+# (measured with `bench.profile_decode --prefill`), 20x the step's device time.
+EAGER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -24,20 +32,26 @@ class RunnerInput:
 
 class ModelRunner:
     def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
-                 capture: bool = False) -> None:
+                 capture: bool = False, fused: bool = True) -> None:
         """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
-        of decode_graph.py, captured as CUDA graphs when `capture`."""
+        of decode_graph.py, captured as CUDA graphs when `capture`. `fused`: the engine's own
+        layer forward (fused_forward.py) where the model allows it, else the stock one."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
-        if self.device.type == "cuda":  # module substitutions, each checked or measured
+        self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
+        self.fused = fused_forward.build(model) if fused else None
+        self.forward = self.fused.forward if self.fused is not None else self._stock_forward
+        if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)
             self.small_linears = substitute_linears(model)
-        self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
         self.decoder = None
         if static_decode:
-            self.decoder = GraphDecoder(model, pool, self.layer_kinds, static_decode, max_model_len, capture)
+            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture)
+
+    def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
+        return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)
 
     def run(self, inputs: list[RunnerInput]) -> tuple[torch.Tensor, list[int]]:
         """Runs the step; returns logits [n, vocab] (float32, on the device; valid until the next
@@ -57,6 +71,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T_total]
         positions = step.positions.to(self.device)  # [T_total]
         index = torch.tensor(logits_index, dtype=torch.long, device=self.device)  # [n]
-        logits = hf_adapter.forward(self.model, input_ids, positions, step, index, self.layer_kinds)  # [n, V]
+        with sdpa_kernel(EAGER_SDPA):
+            logits = self.forward(input_ids, positions, step, index)  # [n, V]
         step.commit()
         return logits, owners

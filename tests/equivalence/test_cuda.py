@@ -260,3 +260,80 @@ def test_cuda_swapped_and_rebuilt_rows_come_back_exactly(swap_bytes):
     print(f"\nswap_bytes={swap_bytes}: {tight.stats['swaps_in']} swapped in, {tight.stats['rebuilds']} rebuilt")
     assert got == want and tight.stats["swaps_in"] + tight.stats["rebuilds"] >= 10
     tight.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_layer_kernels_match_their_references(dtype):
+    """add_rmsnorm, qk_norm_rope and gelu_mul (Gemma-3 4B widths) against their torch versions,
+    which equal the stock layer ops (tests/engine/test_fused_forward.py)."""
+    from engine.kernels import fused_ops as ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, H, Hkv, D, inter, eps = 2560, 8, 4, 256, 10240, 1e-6
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    worst = {}
+    for T in (1, 7, 64):
+        h, y = rnd(T, N, scale=3), rnd(T, N)
+        wp, wn = rnd(N, scale=0.3), rnd(N, scale=0.3)
+        want = ops.add_rmsnorm_ref(h, y, wp, wn, eps)
+        got = ops.add_rmsnorm(h.clone(), y, wp, wn, eps)
+        got_norm = ops.rmsnorm(h, wn, eps)
+        pos = torch.randint(0, 100_000, (T,), device="cuda").float()
+        inv = 1.0 / (10_000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+        ang = torch.cat([pos[:, None] * inv] * 2, dim=1)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        qkv = rnd(T, (H + 2 * Hkv) * D)
+        wq, wk = rnd(D, scale=0.3), rnd(D, scale=0.3)
+        want_qkv = ops.qk_norm_rope_ref(qkv, wq, wk, cos, sin, H, Hkv, eps)
+        got_qkv = ops.qk_norm_rope(qkv.clone(), wq, wk, cos, sin, H, Hkv, eps)
+        gu = rnd(T, 2 * inter, scale=2)
+        pairs = {"add_rmsnorm h": (got[0], want[0]), "add_rmsnorm x": (got[1], want[1]),
+                 "rmsnorm": (got_norm, ops.rmsnorm_ref(h, wn, eps)),
+                 "q": (got_qkv[0], want_qkv[0]), "k": (got_qkv[1], want_qkv[1]), "v": (got_qkv[2], want_qkv[2]),
+                 "gelu_mul": (ops.gelu_mul(gu), ops.gelu_mul_ref(gu))}
+        for name, (a, b) in pairs.items():
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            worst[name] = max(worst.get(name, 0.0), rel)
+    print(f"{dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert all(v < tol for v in worst.values()), worst
+
+
+@pytest.mark.parametrize("policy", ["s5", "native"])
+def test_cuda_fused_forward_equals_stock_forward(policy):
+    """The engine on its fused layer forward (graphs) against the stock layers (graphs): float32
+    logits agree to float rounding; bf16 greedy tokens agree up to rounding-driven divergence."""
+    from tests.engine.test_resume import Recorder
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 130, 77)]
+    for dtype in (torch.float32, torch.bfloat16):
+        outs, recs = {}, {}
+        for fused in (True, False):
+            model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
+                                      num_attention_heads=4, num_key_value_heads=1).cuda()
+            cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], kv_policy=policy,
+                               kv_sink=2, kv_window=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 24,
+                               max_rows=8, fused_layers=fused)
+            engine = Engine(cfg, LoadedModel(model, None, "tiny"))
+            assert (engine.runner.fused is not None) == fused
+            recs[fused] = Recorder(engine)
+            outs[fused] = run_all(engine, [Request(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts)],
+                                  {"r1": 3, "r2": 9})
+            engine.check_invariants()
+        prefix = 0
+        for r in outs[True]:
+            for a, b in zip(outs[True][r], outs[False][r]):
+                if a != b:
+                    break
+                prefix += 1
+        common = recs[True].logits.keys() & recs[False].logits.keys()
+        diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
+        print(f"{policy} {dtype}: {prefix}/{48 * len(prompts)} tokens equal; max |logit diff| {diff:.2e}")
+        if dtype == torch.float32:
+            assert outs[True] == outs[False] and diff < 1e-3
+        else:
+            assert prefix >= 0.9 * 48 * len(prompts)

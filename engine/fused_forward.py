@@ -1,0 +1,168 @@
+"""The engine's own forward for Gemma 3 decoders: the stock layer's math with its matrix products
+and elementwise steps fused.
+
+`hf_adapter.forward` runs the model's stock layers: per layer three projections for Q, K and V,
+two for the MLP's gate and up, and about 30 elementwise kernels. At decode batch sizes those are
+mostly launches and narrow matrix products that read their weights at a fraction of the memory
+bandwidth. `FusedGemma3` computes the same function with, per layer:
+
+  x -> [Q|K|V] = x Wqkv^T -> qk_norm_rope (in place) -> row attention (the step's, as the stock
+  layer would call it) -> O = a Wo^T -> add_rmsnorm (residual, post-attention and pre-MLP norms)
+  -> [G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T -> add_rmsnorm (residual, post-MLP norm and the
+  next layer's input norm, or the final norm after the last layer)
+
+The fused weights are built once by concatenating the stock weights; the stock modules' weights
+are then rebound as views of them, so the model holds each weight once and its own forward still
+works. Only a model whose every layer has the stock Gemma 3 structure with plain bias-free
+`nn.Linear` projections is taken (`build` says why not otherwise, and the engine keeps the stock
+forward): quantized linears and other families run through `hf_adapter.forward`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import hf_adapter
+from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, rmsnorm
+from engine.kernels.rmsnorm import FusedRMSNorm
+from engine.kernels.small_linear import SmallBatchLinear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    layer_type: str
+    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    wo: torch.Tensor
+    wgu: torch.Tensor  # [2 I, hidden]
+    wd: torch.Tensor
+    in_norm: torch.Tensor
+    post_attn: torch.Tensor
+    pre_ff: torch.Tensor
+    post_ff: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    heads: int
+    kv_heads: int
+    scaling: float
+    softcap: float | None
+
+
+def _plain_linear(m) -> bool:
+    """A bias-free linear whose weight is all there is to it (also the stock path's CUDA
+    substitute for small batches, which computes the same product)."""
+    return (type(m) is nn.Linear and m.bias is None) or type(m) is SmallBatchLinear
+
+
+def _gemma_norm(m) -> bool:
+    """Gemma's (1 + w) RMSNorm (also the stock path's fused CUDA substitute for it)."""
+    return type(m).__name__ == "Gemma3RMSNorm" or (type(m) is FusedRMSNorm and m.offset == 1.0)
+
+
+def unsupported(model) -> str | None:
+    """Why `FusedGemma3` cannot run this model (None: it can)."""
+    base = model.get_decoder()
+    cfg = base.config
+    if type(base).__name__ != "Gemma3TextModel":
+        return f"{type(base).__name__} is not a Gemma 3 decoder"
+    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r}"
+    if not hasattr(base, "rotary_emb") or "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return "rotary embedding without per-layer-type tables"
+    dtype = base.embed_tokens.weight.dtype
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(_plain_linear(m) and m.weight.dtype == dtype for m in linears):
+            return "projections are not plain bias-free linears of the model's dtype (quantized?)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+        if not all(_gemma_norm(n) for n in norms):
+            return "norms are not Gemma3RMSNorm"
+    return None
+
+
+def build(model) -> FusedGemma3 | None:
+    why = unsupported(model)
+    if why is not None:
+        log.info("stock layer forward: %s", why)
+        return None
+    return FusedGemma3(model)
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
+    """One [sum(out), in] weight; each linear's weight becomes a view of its rows."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0)
+    lo = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[lo: lo + n], requires_grad=False)
+        lo += n
+    return fused
+
+
+class FusedGemma3:
+    @torch.no_grad()
+    def __init__(self, model) -> None:
+        self.model = model
+        base = model.get_decoder()
+        cfg = base.config
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.eps = float(cfg.rms_norm_eps)
+        self.final_norm = base.norm.weight
+        self.layer_types = sorted(set(cfg.layer_types))
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                index=i, layer_type=cfg.layer_types[i],
+                wqkv=_fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
+                wo=attn.o_proj.weight,
+                wgu=_fuse_rows([mlp.gate_proj, mlp.up_proj]),
+                wd=mlp.down_proj.weight,
+                in_norm=layer.input_layernorm.weight, post_attn=layer.post_attention_layernorm.weight,
+                pre_ff=layer.pre_feedforward_layernorm.weight, post_ff=layer.post_feedforward_layernorm.weight,
+                q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                scaling=float(attn.scaling), softcap=attn.attn_logit_softcapping,
+            ))
+        for a, b in zip(self.layers, self.layers[1:]):
+            assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
+                logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Same contract as `hf_adapter.forward`: logits [n, vocab] (float32) of the tokens at
+        `logits_index` (None: all), attention through `step`."""
+        T = input_ids.shape[0]
+        h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
+        rope = {}
+        for lt in self.layer_types:
+            cos, sin = self.rotary(h, positions[None], lt)
+            rope[lt] = (cos[0], sin[0])  # [T, D]
+        eps = self.eps
+        x = rmsnorm(h, self.layers[0].in_norm, eps)
+        for n, L in enumerate(self.layers):
+            qkv = F.linear(x, L.wqkv)
+            cos, sin = rope[L.layer_type]
+            q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps)
+            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                            L.scaling, L.softcap)  # [1, T, H, D]
+            o = F.linear(a.reshape(T, -1), L.wo)
+            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps)
+            m = gelu_mul(F.linear(x, L.wgu))
+            d = F.linear(m, L.wd)
+            nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
+            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps)
+        if logits_index is not None:
+            x = x[logits_index]
+        return hf_adapter.output_logits(self.model, x)
