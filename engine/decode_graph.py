@@ -80,18 +80,16 @@ class DecodeBatch:
         k_new = key[0].transpose(0, 1)  # [B, Hkv, D]
         v_new = value[0].transpose(0, 1)
         ks, vs = pool.k[layer], pool.v[layer]
-        if lay.paged:  # the new token is a key of its own query: store first
-            ks.index_copy_(0, self.paged_slot, k_new)
-            vs.index_copy_(0, self.paged_slot, v_new)
+        # the kernel stores the new K/V itself, after every read of the store (a ring slot it
+        # takes may still hold a key this query sees)
+        if lay.paged:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
-                                   splits=self.splits)
-        else:  # its ring slot may still hold a visible key: attend, then store
+                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, splits=self.splits)
+        else:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(pool.sink, pool.window),
-                                   k_new=k_new, v_new=v_new, splits=self.splits)
-            ks.index_copy_(0, self.ring_slot, k_new)
-            vs.index_copy_(0, self.ring_slot, v_new)
+                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot, splits=self.splits)
         return out.unsqueeze(0)
 
 

@@ -36,9 +36,24 @@ def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
 
 
 def reference(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
-              block_table=None, page=0, ring=None, k_new=None, v_new=None) -> torch.Tensor:
+              block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None) -> torch.Tensor:
     """q [B, H, D]; stores [slots, Hkv, D]; rows, pos [B]. Paged when `block_table` is given, else
-    `ring` = (sink, window) with k_new / v_new [B, Hkv, D]. Returns [B, H, D] in q's dtype."""
+    `ring` = (sink, window) with k_new / v_new [B, Hkv, D]. Returns [B, H, D] in q's dtype.
+    `store_slot` [B]: k_new / v_new are also written there (paged: the new token's own slot,
+    before attending; ring: the slot it takes, after attending)."""
+    if store_slot is not None and block_table is not None:
+        k_store.index_copy_(0, store_slot, k_new)
+        v_store.index_copy_(0, store_slot, v_new)
+    out = _reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
+                     block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new)
+    if store_slot is not None and block_table is None:
+        k_store.index_copy_(0, store_slot, k_new)
+        v_store.index_copy_(0, store_slot, v_new)
+    return out
+
+
+def _reference(q, k_store, v_store, rows, pos, *, scale, softcap, attn_window, block_table, page, ring,
+               k_new, v_new) -> torch.Tensor:
     B, H, D = q.shape
     hkv = k_store.shape[1]
     if block_table is not None:
@@ -90,7 +105,7 @@ if triton is not None:
         scale, softcap, attn_window, sink, ring_window,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, NEW_APART: tl.constexpr,
     ):
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -98,8 +113,11 @@ if triton is not None:
         row = tl.load(Rows + b)
         p = tl.load(Pos + b)
         if PAGED:
-            hi = p + 1
-            lo = tl.maximum(hi - attn_window, 0)
+            lo = tl.maximum(p + 1 - attn_window, 0)
+            if NEW_APART:  # the new token is not in the store yet: the combine adds it
+                hi = p
+            else:
+                hi = p + 1
         else:
             hi = p * 0 + RING_SLOTS
             lo = p * 0
@@ -158,10 +176,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        Out, Opart, Mpart, Lpart, Q, Knew, Vnew,
+        Out, Opart, Mpart, Lpart, Q, Knew, Vnew, Kstore, Vstore, Slots,
         stride_ob, stride_oh, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        scale, softcap, H, G,
+        stride_ss, stride_sh, scale, softcap, H, G,
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
+        STORE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -173,7 +192,7 @@ if triton is not None:
         lsum = tl.load(Lpart + base + sidx, mask=sm, other=0.0)
         o = tl.load(Opart + (base + sidx)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
         m_all = tl.max(m, 0)
-        if EXTRA:  # the ring layer's new token, not yet in the store
+        if EXTRA:  # the new token, not (yet) in the store
             q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
             kn = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d).to(tl.float32)
             sn = tl.sum(q * kn, 0) * scale
@@ -189,6 +208,12 @@ if triton is not None:
             num += en * vn
             den += en
         tl.store(Out + b * stride_ob + h * stride_oh + d, (num / den).to(Out.dtype.element_ty))
+        if STORE:  # every program of the partial kernel has read the store: write the new token
+            if h % G == 0:
+                slot = tl.load(Slots + b)
+                kv = h // G
+                tl.store(Kstore + slot * stride_ss + kv * stride_sh + d, tl.load(Knew + b * stride_kb + kv * stride_kh + d))
+                tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
 
 
 def splits_for(batch: int, kv_heads: int, sms: int) -> int:
@@ -200,12 +225,16 @@ def splits_for(batch: int, kv_heads: int, sms: int) -> int:
 
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
-                     block_table=None, page=0, ring=None, k_new=None, v_new=None, splits=8,
+                     block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, splits=8,
                      out=None) -> torch.Tensor:
-    """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable)."""
+    """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
+    With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done, so a
+    paged layer's new token is attended from k_new / v_new (as a ring layer's is) and no separate
+    store runs."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
-                         block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new)
+                         block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
+                         store_slot=store_slot)
     B, H, D = q.shape
     hkv = k_store.shape[1]
     G = H // hkv
@@ -214,7 +243,9 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     ring_slots = sink + window
     S = splits if paged else max(1, min(splits, triton.cdiv(ring_slots, BLOCK_N)))
     assert k_store.stride(2) == 1 and q.stride(2) == 1 and k_store.stride() == v_store.stride()
-    assert paged or (k_new.stride(2) == 1 and v_new.stride(2) == 1)
+    new_apart = paged and store_slot is not None
+    extra = not paged or new_apart
+    assert not extra or (k_new.stride(2) == 1 and v_new.stride(2) == 1)
     opart = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
     mpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     lpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
@@ -225,18 +256,19 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
         scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=BLOCK_N,
-        num_warps=4, num_stages=2,
+        NEW_APART=new_apart, num_warps=4, num_stages=2,
     )
     if out is None:
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
-    extra = not paged
     kn = k_new if extra else q
     vn = v_new if extra else q
+    store = store_slot is not None
+    slots = store_slot if store else rows
     _combine_kernel[(B, H)](
-        out, opart, mpart, lpart, q, kn, vn,
+        out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        scale, softcap or 0.0, H, G,
-        D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None,
+        k_store.stride(0), k_store.stride(1), scale, softcap or 0.0, H, G,
+        D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None, STORE=store,
         num_warps=4,
     )
     return out

@@ -80,6 +80,49 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def check_decode_attention_store(layout: str, dtype, device: str = "cuda") -> tuple[float, float]:
+    """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
+    it) against the reference: (output rel err, max |store diff|)."""
+    from engine.kernels.decode_attention import decode_attention, reference
+    from engine.kv_policy import ring_slot
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    B, H, hkv, D, page, num_rows, max_blocks = 9, 8, 2, 64, 16, 12, 20
+    rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
+    pos = torch.randint(0, page * max_blocks - 1, (B,), device=device, generator=gen)
+    pos[0], pos[1] = 0, 3
+    q = torch.randn(B, H, D, device=device, dtype=dtype, generator=gen)
+    kw = dict(scale=D ** -0.5, softcap=None, attn_window=50 if layout == "paged-window" else None,
+              k_new=torch.randn(B, hkv, D, device=device, dtype=dtype, generator=gen),
+              v_new=torch.randn(hkv, B, D, device=device, dtype=dtype, generator=gen).transpose(0, 1))
+    if layout.startswith("paged"):
+        table = (1 + torch.randperm(num_rows * max_blocks, device=device, generator=gen)).view(num_rows, -1)
+        kw.update(block_table=table.to(torch.int32), page=page)
+        n = (num_rows * max_blocks + 2) * page
+        slot = table[rows, pos // page].long() * page + pos % page
+    else:
+        sink, window = 4, 60
+        kw.update(ring=(sink, window))
+        n = num_rows * (sink + window)
+        slot = torch.tensor([int(r) * (sink + window) + ring_slot(int(p), sink, window) for r, p in zip(rows, pos)],
+                            device=device)
+    ks = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
+    vs = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
+    rk, rv = ks.clone(), vs.clone()
+    ref = reference(q, rk, rv, rows, pos, store_slot=slot, **kw).double()
+    out = decode_attention(q, ks, vs, rows, pos, store_slot=slot, splits=8, **kw).double()
+    err = ((out - ref).norm() / ref.norm()).item()
+    return err, max((ks - rk).abs().max().item(), (vs - rv).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["paged", "paged-window", "ring"])
+def test_decode_attention_kernel_stores_the_new_token(layout, dtype):
+    err, store_diff = check_decode_attention_store(layout, dtype)
+    print(f"{layout} {dtype} with store: rel err {err:.1e}, store diff {store_diff}")
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5) and store_diff == 0
+
+
 @pytest.mark.parametrize("policy", ["s5", "native"])
 def test_cuda_graph_decode_equals_eager_decode(policy):
     """bfloat16 random Gemma-3 (1B-like head layout, small): greedy tokens of the captured decode
