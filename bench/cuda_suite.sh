@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe]
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if ! python3 -c "import bitsandbytes" 2>/dev/null && ls wheels/bitsandbytes-*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps wheels/bitsandbytes-*.whl 2>&1 | tail -1
+  python3 -m pip install -q --no-deps wheels/bitsandbytes-*.whl 2>&1 | tail -1
 fi
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null || echo "bitsandbytes: not installed"
@@ -21,6 +21,8 @@ case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
+  moe)
+    python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --out "$OUT" ;;
   full)
     run_tests
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --out "$OUT"

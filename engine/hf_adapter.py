@@ -1,4 +1,6 @@
-"""The only module that touches transformers.
+"""The stock transformers forward, with the engine's row attention. Besides model_loader (which
+loads models), the only engine module that imports transformers; fused_forward.py reads a loaded
+model's modules without importing it.
 
 It plugs the engine's row attention into a stock transformers model through the documented
 `AttentionInterface` registry (registered when a model is prepared, never at import) and calls the
