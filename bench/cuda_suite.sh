@@ -25,8 +25,8 @@ case "${2:-}" in
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --out "$OUT" ;;
   full)
     run_tests
-    python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --out "$OUT"
-    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 64 --out "$OUT"
+    python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --hf-static --out "$OUT"
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 64 --hf-static --out "$OUT"
     python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
   *)
     run_tests

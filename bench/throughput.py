@@ -92,9 +92,11 @@ class _StepClock:
 
 
 @torch.inference_mode()
-def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
+def run_hf(model, prompts, new_tokens: int, pad_id: int, static: bool = False) -> dict:
     """Batched HF generate. Decode rate over the steps after the first token (every row decodes
-    together in HF), the same definition as the engine's; TTFT = time to the first step."""
+    together in HF), the same definition as the engine's; TTFT = time to the first step.
+    `static`: `cache_implementation="static"`, with which transformers compiles the decode step
+    (BENCH.md's stronger peer); one untimed run of the same shape compiles it first."""
     from transformers import LogitsProcessorList
 
     n = max(len(p) for p in prompts)
@@ -108,6 +110,10 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
     clock = _StepClock()
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, top_k=None, top_p=None,
               logits_processor=LogitsProcessorList([clock]))
+    if static:
+        kw["cache_implementation"] = "static"
+        warm = {**kw, "logits_processor": LogitsProcessorList([_StepClock()])}
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **warm)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
     t = clock.times
@@ -259,6 +265,9 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", choices=["fused", "stock"], default=["fused"],
                     help="the engine's fused Gemma 3 layer forward, the stock transformers layers, or both "
                          "(models the fused forward does not take run stock either way)")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="also HF generate with a static cache (compiled decode step; its first run per "
+                         "shape and N compiles for a minute or more), reported beside the default")
     ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall of quantized weights")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix for the result file name")
@@ -298,11 +307,13 @@ def main() -> None:
     vocab = loaded.model.config.vocab_size
     rows = []
     print(f"{'n':>3} {'weights':>8} {'layers':>6} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
-          f"{'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}",
-          flush=True)
+          f"{'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}"
+          + (f" {'HF static tok/s':>15} {'vs static':>9}" if a.hf_static else ""), flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
         hf_default = run_hf(hf, prompts, a.new_tokens, pad_id=0) if set(engines) - set(hf_for) else None
+        hf_static = (run_hf(hf, prompts, a.new_tokens, pad_id=0, static=True)
+                     if a.hf_static and set(engines) - set(hf_for) else None)
         for w, eng in engines.items():
             hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
@@ -315,6 +326,7 @@ def main() -> None:
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
                 row = {"n": n, "weights": label, "layers": layers, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
+                       "hf_static_decode_tok_s": hf_static["decode_tok_s"] if hf_static and w not in hf_for else None,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
                 rows.append(row)
                 rate = res["decode_tok_s"] or res["decode_tail_tok_s"]  # no all-rows window: the tail rate
@@ -322,7 +334,9 @@ def main() -> None:
                 shown = f"{res['decode_tok_s']:>13.1f}" if res["decode_tok_s"] else f"{'(tail) ' + format(rate, '.1f'):>13}"
                 print(f"{n:>3} {label:>8} {layers:>6} {policy:>7} {shown} {res['decode_tail_tok_s']:>10.1f} "
                       f"{hf_res['decode_tok_s']:>9.1f} {rate / hf_res['decode_tok_s']:>5.2f}x {vs_floor} "
-                      f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}", flush=True)
+                      f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}"
+                      + (f" {row['hf_static_decode_tok_s']:>15.1f} {rate / row['hf_static_decode_tok_s']:>8.2f}x"
+                         if row["hf_static_decode_tok_s"] else ""), flush=True)
     qualities = {}
     if not a.no_quality and "float32" in engines and not a.shape:
         for w in engines:
