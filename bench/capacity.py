@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench.throughput import SHAPES, copy_bandwidth, prompts_for, run_engine, shape_models, source_digest, step_weight_bytes
+from bench.throughput import (SHAPES, copy_bandwidth, git_commit, prompts_for, run_engine, shape_models, source_digest,
+                              step_weight_bytes)
 from engine.config import EngineConfig
 from engine.hf_adapter import geometry
 from engine.kv_policy import layer_layouts
@@ -69,6 +70,9 @@ def main() -> None:
             per, paged = session_bytes(model, policy, length, a.device)
             n = budget // per
             admitted[policy] = n
+            if n == 0:
+                print(f"{ctx:>7} {policy:>7} {per:>11} {0:>8}  (the budget holds no session)", flush=True)
+                continue
             prompts = prompts_for(None, model.config.vocab_size, n, ctx)
             res = run_engine(loaded, policy, prompts, a.new_tokens, a.device, max_rows=n,
                              max_num_seqs=min(n, a.max_seqs), max_num_batched_tokens=8192,
@@ -80,7 +84,7 @@ def main() -> None:
             rate = res["decode_tok_s"] or res["decode_tail_tok_s"]  # no all-rows window: the tail rate
             print(f"{ctx:>7} {policy:>7} {per:>11} {n:>8} {rate:>13.1f} "
                   f"{rate / floor:>7.3f}x {res['ttft_s']:>7.1f}", flush=True)
-        if "native" in admitted and "s5" in admitted:
+        if admitted.get("native") and "s5" in admitted:
             print(f"  {ctx}: s5 admits {admitted['s5'] / admitted['native']:.2f}x the sessions of native", flush=True)
     import transformers
 
@@ -88,7 +92,8 @@ def main() -> None:
               "shape": a.shape, "dtype": a.dtype, "budget_bytes": budget, "new_tokens": a.new_tokens,
               "max_seqs": a.max_seqs, "copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weights,
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "engine_source_sha256": source_digest()},
+                           "transformers": transformers.__version__, "commit": git_commit(),
+                           "engine_source_sha256": source_digest()},
               "rows": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

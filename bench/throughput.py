@@ -220,6 +220,16 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (`-dirty` when the tree has changes); `source_digest` names the code
+    exactly where the tree is a copy whose history is not its own."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return None
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -348,10 +358,7 @@ def main() -> None:
                       f"native {q['recall_quick']['native']}/{q['recall_cases']}, s5 {q['recall_quick']['s5']}/"
                       f"{q['recall_cases']}; s5 cells below native-1: {len(q['recall_regressions'])}", flush=True)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
-    try:
-        commit = subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
-    except Exception:
-        commit = None
+    commit = git_commit()
     import transformers
 
     result = {
