@@ -19,12 +19,18 @@ from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model_loader import LoadedModel
 
 
-def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
-    cfg = EngineConfig(model="bench", device="cuda", kv_policy=policy, max_rows=n, max_num_batched_tokens=4096,
-                       kv_cache_bytes=max(2 << 30, n * (64 << 20)))
+def started_engine(loaded, n: int, policy: str, prompt_len: int, batched_tokens: int, max_tokens: int) -> Engine:
+    """An engine on the device with n prompts queued."""
+    cfg = EngineConfig(model="bench", device="cuda", kv_policy=policy, max_rows=n,
+                       max_num_batched_tokens=batched_tokens, kv_cache_bytes=max(2 << 30, n * (64 << 20)))
     engine = Engine(cfg, loaded)
     for i, p in enumerate(prompts_for(None, loaded.model.config.vocab_size, n, prompt_len)):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=400, ignore_eos=True)))
+        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    return engine
+
+
+def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
+    engine = started_engine(loaded, n, policy, prompt_len, batched_tokens=4096, max_tokens=400)
     dec = engine.runner.decoder
     while dec.steps == 0:  # prefill, until the first decode-only step
         engine.step()
@@ -66,11 +72,7 @@ def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
 def profile_prefill(loaded, n: int, policy: str, prompt_len: int) -> None:
     from torch.profiler import ProfilerActivity, profile as tprof
 
-    cfg = EngineConfig(model="bench", device="cuda", kv_policy=policy, max_rows=n, max_num_batched_tokens=2048,
-                       kv_cache_bytes=max(2 << 30, n * (64 << 20)))
-    engine = Engine(cfg, loaded)
-    for i, p in enumerate(prompts_for(None, loaded.model.config.vocab_size, n, prompt_len)):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine = started_engine(loaded, n, policy, prompt_len, batched_tokens=2048, max_tokens=2)
     walls = []
     prof = None
     while engine.has_work():

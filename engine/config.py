@@ -38,11 +38,11 @@ class EngineConfig:
     # Decode-only steps as fixed-size batches replayed from CUDA graphs (decode_graph.py). None:
     # on for CUDA, off for the CPU; True on the CPU runs the same static step uncaptured.
     decode_graphs: bool | None = None
-    max_graph_batch: int = 256
+    max_graph_batch: int = 256  # the largest decode batch captured (larger steps run eagerly)
     # The engine's own Gemma 3 layer forward with fused projections and elementwise kernels
     # (fused_forward.py) where the model has the stock structure and plain linears; False, or any
     # other model, runs the stock transformers layers.
-    fused_layers: bool = True  # the largest decode batch captured (larger steps run eagerly)
+    fused_layers: bool = True
     # SQLite file that keeps session transcripts (session_db.py): sessions then survive a restart
     # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
     # memory only (rows given up are still rebuilt exactly from the in-memory transcript).

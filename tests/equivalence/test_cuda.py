@@ -14,6 +14,18 @@ from tests.helpers import greedy, hf_greedy, run_all
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def equal_prefix(pairs) -> int:
+    """Tokens equal before each row's first difference, summed over (tokens, tokens) pairs: bf16
+    rounding differs between paths, and once one token differs the continuations diverge."""
+    n = 0
+    for a, b in pairs:
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+    return n
+
+
 @pytest.mark.parametrize("policy", ["s5", "native"])
 def test_cuda_oracle_multiturn(policy):
     rng = random.Random(0)
@@ -143,14 +155,8 @@ def test_cuda_graph_decode_equals_eager_decode(policy):
         if graphs:
             assert engine.runner.decoder.steps > 50 and engine.runner.decoder.graphs
         engine.check_invariants()
-    # bf16 rounding differs between the kernels (SDPA vs the split decode kernel); once a token
-    # differs the continuations diverge, so agreement is counted up to each row's first difference
-    prefix = 0
-    for r in outs[True]:
-        for a, b in zip(outs[True][r], outs[False][r]):
-            if a != b:
-                break
-            prefix += 1
+    # bf16 rounding differs between the kernels (SDPA vs the split decode kernel)
+    prefix = equal_prefix((outs[True][r], outs[False][r]) for r in outs[True])
     print(f"{policy}: {prefix}/{64 * len(prompts)} tokens equal before a row's first difference")
     assert prefix >= 0.9 * 64 * len(prompts)
 
@@ -252,12 +258,7 @@ def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
     engine = Engine(cfg, LoadedModel(model, None, "tiny"))
     out = run_all(engine, [Request(f"r{i}", p, greedy(32)) for i, p in enumerate(prompts)])
     assert engine.runner.decoder.steps > 20
-    prefix = 0
-    for i, p in enumerate(prompts):
-        for a, b in zip(out[f"r{i}"], hf_greedy(ref, p, 32)):
-            if a != b:
-                break
-            prefix += 1
+    prefix = equal_prefix((out[f"r{i}"], hf_greedy(ref, p, 32)) for i, p in enumerate(prompts))
     print(f"bnb-4bit: {prefix}/{32 * len(prompts)} tokens equal to HF generate before a row's first difference")
     assert prefix >= 0.8 * 32 * len(prompts)
     engine.check_invariants()
@@ -367,12 +368,7 @@ def test_cuda_fused_forward_equals_stock_forward(policy):
             outs[fused] = run_all(engine, [Request(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts)],
                                   {"r1": 3, "r2": 9})
             engine.check_invariants()
-        prefix = 0
-        for r in outs[True]:
-            for a, b in zip(outs[True][r], outs[False][r]):
-                if a != b:
-                    break
-                prefix += 1
+        prefix = equal_prefix((outs[True][r], outs[False][r]) for r in outs[True])
         common = recs[True].logits.keys() & recs[False].logits.keys()
         diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
         print(f"{policy} {dtype}: {prefix}/{48 * len(prompts)} tokens equal; max |logit diff| {diff:.2e}")
