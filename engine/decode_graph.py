@@ -19,9 +19,10 @@ to hold the static path to the eager one.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from engine.kernels.decode_attention import decode_attention, splits_for
+from engine.kernels.decode_attention import decode_attention
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
 
@@ -37,11 +38,10 @@ class DecodeBatch:
 
     IDS, POS, ROWS, PAGED_SLOT, RING_SLOT = range(5)
 
-    def __init__(self, pool: RowPool, size: int, table: torch.Tensor, splits: int) -> None:
+    def __init__(self, pool: RowPool, size: int, table: torch.Tensor) -> None:
         self.pool = pool
         self.size = size
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
-        self.splits = splits
         dev = pool.device
         self.inputs = torch.zeros((5, size), dtype=torch.long, device=dev)
         self.ids, self.pos, self.rows, self.paged_slot, self.ring_slot = self.inputs.unbind(0)
@@ -49,10 +49,12 @@ class DecodeBatch:
         self.padding[self.ROWS] = pool.scratch_ring_row
         self.padding[self.PAGED_SLOT] = pool.scratch_paged_slot
         self.padding[self.RING_SLOT] = pool.scratch_ring_row * pool.ring_slots
+        self.padding_np = self.padding.numpy()
         cuda = dev.type == "cuda"
         # Two host buffers in turn: a step that wants no logits (a replayed forward) ends with no
         # sync, so the next step must not overwrite the buffer an earlier copy may still read.
         self.hosts = [self.padding.clone().pin_memory() if cuda else self.padding.clone() for _ in range(2)]
+        self.hosts_np = [h.numpy() for h in self.hosts]  # the same memory, written without torch dispatch
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.turn = 0
         self.inputs.copy_(self.hosts[0])
@@ -65,9 +67,10 @@ class DecodeBatch:
         host, copied = self.hosts[self.turn], self.copied[self.turn]
         if copied is not None:
             copied.synchronize()
-        host[:, :n] = torch.tensor(lanes, dtype=torch.long).T
+        view = self.hosts_np[self.turn]
+        view[:, :n] = np.array(lanes, dtype=np.int64).T
         if n < self.size:
-            host[:, n:] = self.padding[:, n:]
+            view[:, n:] = self.padding_np[:, n:]
         self.inputs.copy_(host, non_blocking=True)
         if copied is not None:
             copied.record()
@@ -85,11 +88,11 @@ class DecodeBatch:
         if lay.paged:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
-                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, splits=self.splits)
+                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot)
         else:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(pool.sink, pool.window),
-                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot, splits=self.splits)
+                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot)
         return out.unsqueeze(0)
 
 
@@ -105,9 +108,7 @@ class GraphDecoder:
         max_blocks = max(1, min(pool.blocks_for(max_model_len), pool.num_blocks - 1)) if pool.paged_layers else 1
         self.table = torch.zeros((pool.num_rows + 1, max_blocks), dtype=torch.int32, device=dev)
         self._mirrored: dict[int, list[int]] = {}
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        hkv = min(k.shape[1] for k in pool.k)  # layers may differ (Gemma 4): fill the GPU on the narrowest
-        self.batches = {b: DecodeBatch(pool, b, self.table, splits_for(b, hkv, sms)) for b in buckets_upto(max_batch)}
+        self.batches = {b: DecodeBatch(pool, b, self.table) for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
         self.logits: dict[int, torch.Tensor] = {}
@@ -124,7 +125,8 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Largest first, all graphs in one memory pool. Warm-up runs write only scratch places."""
+        """Largest first, all graphs in one memory pool. Warm-up runs and the first replay (on the
+        padding inputs) write only scratch places."""
         mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for size in sorted(self.batches, reverse=True):
@@ -137,6 +139,7 @@ class GraphDecoder:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
                 self.logits[size] = self._forward(batch)
+            graph.replay()  # a graph's first launch uploads it to the device (ms): not in a served step
             self.graphs[size] = graph
         torch.cuda.synchronize()
 

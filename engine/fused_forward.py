@@ -11,6 +11,10 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
   -> [G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T -> add_rmsnorm (residual, post-MLP norm and the
   next layer's input norm, or the final norm after the last layer)
 
+At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
+its weight; where one `gemv` kernel reads it faster than the library's product (timed per
+projection and row count when the forward is built), that kernel runs it.
+
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
 works. Only a model whose every layer has the stock Gemma 3 structure with plain bias-free
@@ -31,7 +35,7 @@ from torch import nn
 from engine import hf_adapter
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, rmsnorm
 from engine.kernels.rmsnorm import FusedRMSNorm
-from engine.kernels.small_linear import SmallBatchLinear
+from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,17 @@ class FusedGemma3:
             ))
         for a, b in zip(self.layers, self.layers[1:]):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
+        # per projection, the row counts (decode batches of a few rows) where one gemv kernel
+        # reads the weight faster than the library's product; measured here, on this GPU
+        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers])
+                      for name in ("wqkv", "wo", "wgu", "wd")}
+        if any(self.plans.values()):
+            log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})
+
+    def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
+        cfg = self.plans[name].get(x.shape[0])
+        w = getattr(L, name)
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
@@ -152,15 +167,15 @@ class FusedGemma3:
         eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps)
         for n, L in enumerate(self.layers):
-            qkv = F.linear(x, L.wqkv)
+            qkv = self._project(x, L, "wqkv")
             cos, sin = rope[L.layer_type]
             q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps)
             a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             L.scaling, L.softcap)  # [1, T, H, D]
-            o = F.linear(a.reshape(T, -1), L.wo)
+            o = self._project(a.reshape(T, -1), L, "wo")
             h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps)
-            m = gelu_mul(F.linear(x, L.wgu))
-            d = F.linear(m, L.wd)
+            m = gelu_mul(self._project(x, L, "wgu"))
+            d = self._project(m, L, "wd")
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps)
         if logits_index is not None:

@@ -136,6 +136,7 @@ class RowPool:
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
         self.ring_pos = torch.full((num_rows, self.ring_slots), -1, dtype=torch.long)  # host
+        self._ring_pos_np = self.ring_pos.numpy()  # the same memory: per-step writes without torch dispatch
 
         self._rows: dict[int, RowState] = {}
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
@@ -312,7 +313,7 @@ class RowPool:
         first = forward_start if self.staged else start
         for p in range(first, end):
             if p < self.sink or p >= end - self.window:
-                self.ring_pos[row, ring_slot(p, self.sink, self.window)] = p
+                self._ring_pos_np[row, ring_slot(p, self.sink, self.window)] = p
         if forward_done:
             state.staging = None
 
@@ -325,7 +326,7 @@ class RowPool:
             state.kv_len = p + 1
         if self.ring_layers and rows:
             slots = [ring_slot(p, self.sink, self.window) for p in positions]
-            self.ring_pos[rows, slots] = torch.tensor(positions, dtype=self.ring_pos.dtype)
+            self._ring_pos_np[rows, slots] = positions
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_kv_bytes(self, row: int) -> dict[str, int]:

@@ -24,7 +24,8 @@ def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     whether each row's best logit is finite (a NaN anywhere in a row wins its argmax)."""
     best = torch.argmax(logits, dim=-1)  # [n]
     ok = torch.isfinite(logits.gather(1, best[:, None])[:, 0])  # [n]
-    return best.tolist(), ok.tolist()
+    best, ok = torch.stack((best, ok.long())).tolist()  # one copy to the host
+    return best, [bool(x) for x in ok]
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],

@@ -11,6 +11,7 @@ Two key layouts, both read in place from the RowPool (no gather, no padding to t
 The CUDA version is a split-K ("flash decoding") Triton kernel: program (row, kv head, split)
 walks its share of the row's keys for all query heads of the group and writes a partial
 (max, sum, unnormalised output); a second kernel merges the splits (and the ring's new token).
+With one split per (row, kv head) the first kernel finishes alone: one launch per layer.
 `reference` computes the same function with torch ops; it is the oracle of the kernel's test and
 the path where Triton is missing.
 """
@@ -89,9 +90,6 @@ try:  # Triton ships with CUDA builds of torch; the CPU path never needs it
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
-BLOCK_N = 64
-
-
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
@@ -101,12 +99,18 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(
         Q, K, V, Opart, Mpart, Lpart, BlockTable, Rows, Pos,
+        Out, Knew, Vnew, Slots,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
+        stride_ob, stride_oh, stride_kb, stride_knh, stride_vb, stride_vnh,
         scale, softcap, attn_window, sink, ring_window,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK: tl.constexpr, NEW_APART: tl.constexpr,
+        BLOCK: tl.constexpr, NEW_APART: tl.constexpr, EXTRA: tl.constexpr, STORE: tl.constexpr,
     ):
+        """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
+        the group. With one split (S == 1) the program finishes the job the merge kernel would:
+        the new token, the normalisation, the output and the store (it alone read this row's
+        keys of this head)."""
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -167,12 +171,33 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
             m_i = m_new
-        H = tl.num_programs(1) * G
-        base = (b * H + head) * S + s  # [GP]
         gm = g < G
-        tl.store(Mpart + base, m_i, mask=gm)
-        tl.store(Lpart + base, l_i, mask=gm)
-        tl.store(Opart + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
+        if S == 1:
+            if EXTRA:  # the new token, not (yet) in the store
+                kn = tl.load(Knew + b * stride_kb + kh * stride_knh + d).to(tl.float32)
+                sn = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale  # [GP]
+                if SOFTCAP:
+                    sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
+                m_new = tl.maximum(m_i, sn)
+                alpha = tl.exp(m_i - m_new)
+                en = tl.exp(sn - m_new)
+                vn = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d).to(tl.float32)
+                acc = acc * alpha[:, None] + en[:, None] * vn[None, :]
+                l_i = l_i * alpha + en
+            o = acc / l_i[:, None]
+            tl.store(Out + b * stride_ob + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+                     mask=gm[:, None])
+            if STORE:  # after every thread's last read of the store (the slot may hold a visible key)
+                tl.debug_barrier()
+                slot = tl.load(Slots + b)
+                tl.store(K + slot * stride_ks + kh * stride_kh + d, tl.load(Knew + b * stride_kb + kh * stride_knh + d))
+                tl.store(V + slot * stride_ks + kh * stride_kh + d, tl.load(Vnew + b * stride_vb + kh * stride_vnh + d))
+        else:
+            H = tl.num_programs(1) * G
+            base = (b * H + head) * S + s  # [GP]
+            tl.store(Mpart + base, m_i, mask=gm)
+            tl.store(Lpart + base, l_i, mask=gm)
+            tl.store(Opart + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
     def _combine_kernel(
@@ -216,21 +241,38 @@ if triton is not None:
                 tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
 
 
-def splits_for(batch: int, kv_heads: int, sms: int) -> int:
-    """Key splits per (row, kv head): enough programs to cover the GPU about twice."""
-    s = 1
-    while batch * kv_heads * s < 2 * sms and s < 64:
-        s *= 2
-    return s
+def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
+    """The partial kernel's launch for `batch` rows of `kv_heads` K/V heads: splits (at most),
+    keys per iteration, warps, stages. Measured on an H200 with `python -m bench.tune_kernels`
+    (Gemma-3 1B and 4B shapes, rows of ~1,238 tokens, 1 to 256 rows; the results file is
+    bench/results/tune-kernels-cuda-2026-11-30.json): within 6% of the best launch found per case,
+    against up to 2x slower for one launch everywhere.
+      ring   few programs: 16-key blocks, one split per block (a ring is only a few blocks);
+             many: one 32-key program per (row, head), three stages
+      paged  about 512 programs in all; 32-key blocks; two warps once there are many"""
+    programs = batch * kv_heads
+    if not paged:
+        if programs < 128:
+            return dict(splits=64, block=16, warps=4, stages=2)
+        return dict(splits=1, block=32, warps=4, stages=3)
+    splits = 1
+    while programs * splits < 512 and splits < 64:
+        splits *= 2
+    if programs < 32:
+        return dict(splits=splits, block=32, warps=4, stages=1)
+    return dict(splits=splits, block=32, warps=2, stages=2)
 
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
-                     block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, splits=8,
-                     out=None) -> torch.Tensor:
+                     block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, out=None,
+                     splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
-    With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done, so a
-    paged layer's new token is attended from k_new / v_new (as a ring layer's is) and no separate
-    store runs."""
+    The launch settings default to `launch_for`'s.
+    With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
+    one split, the partial kernel writes it after its own reads and no merge runs), so a paged
+    layer's new token is attended from k_new / v_new (as a ring layer's is) and no separate store
+    runs. `splits` (at most; a ring takes no more than its blocks), `block` (keys per
+    iteration), `warps` and `stages` set the partial kernel's launch."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
@@ -239,31 +281,39 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     hkv = k_store.shape[1]
     G = H // hkv
     paged = block_table is not None
+    launch = launch_for(paged, B, hkv)
+    splits, block = splits or launch["splits"], block or launch["block"]
+    warps, stages = warps or launch["warps"], stages or launch["stages"]
     sink, window = (0, 0) if paged else ring
     ring_slots = sink + window
-    S = splits if paged else max(1, min(splits, triton.cdiv(ring_slots, BLOCK_N)))
+    S = splits if paged else max(1, min(splits, triton.cdiv(ring_slots, block)))
     assert k_store.stride(2) == 1 and q.stride(2) == 1 and k_store.stride() == v_store.stride()
     new_apart = paged and store_slot is not None
     extra = not paged or new_apart
     assert not extra or (k_new.stride(2) == 1 and v_new.stride(2) == 1)
-    opart = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
-    mpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    lpart = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    bt = block_table if paged else rows  # any int tensor; unused for rings
-    _partial_kernel[(B, hkv, S)](
-        q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
-        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
-        scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
-        PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=BLOCK_N,
-        NEW_APART=new_apart, num_warps=4, num_stages=2,
-    )
     if out is None:
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     kn = k_new if extra else q
     vn = v_new if extra else q
     store = store_slot is not None
     slots = store_slot if store else rows
+    parts = (B, H, S) if S > 1 else (1, 1, 1)  # one split: no partials, no merge
+    opart = torch.empty((*parts, D), dtype=torch.float32, device=q.device)
+    mpart = torch.empty(parts, dtype=torch.float32, device=q.device)
+    lpart = torch.empty(parts, dtype=torch.float32, device=q.device)
+    bt = block_table if paged else rows  # any int tensor; unused for rings
+    _partial_kernel[(B, hkv, S)](
+        q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
+        out, kn, vn, slots,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
+        out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
+        PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
+        NEW_APART=new_apart, EXTRA=extra, STORE=store, num_warps=warps, num_stages=stages,
+    )
+    if S == 1:
+        return out
     _combine_kernel[(B, H)](
         out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),

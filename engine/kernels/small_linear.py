@@ -7,6 +7,10 @@ substitutes for `nn.Linear` (as quantized linears do): up to `MAX_ROWS` rows it 
 Triton kernel that streams the weight once with enough programs to cover the GPU, writes one
 partial per split and sums them in a second kernel (deterministic, no atomics); more rows, or a
 very wide output (the vocabulary head), go to `F.linear` unchanged.
+
+`gemv` is the one-kernel variant for the engine's fused forward: no split, each program streams a
+few weight rows once for all the batch's rows. `plan_gemv` times it against `F.linear` on a
+model's own weights and keeps it only where it wins.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ if triton is not None:
             acc += tl.load(P + (s * BLOCK_M + m) * N + n, mask=ok, other=0.0)
         tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, MP)
+        nm = rn < N
+        mm = rm < M
+        acc = tl.zeros([MP, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            km = rk < K
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
+
 
 def _splits(n: int, k: int, sms: int) -> int:
     blocks = triton.cdiv(n, BLOCK_N)
@@ -85,6 +107,20 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tenso
     block = 1024
     _reduce_kernel[(triton.cdiv(m * n, block),)](part, y, m, n, y.stride(0), SPLIT=split, BLOCK_M=MAX_ROWS,
                                                  BLOCK=block, num_warps=4)
+    return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
+         stages: int = 3) -> torch.Tensor:
+    """x [M, K] (a few rows, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype, one
+    kernel: each program streams `block_n` weight rows once for all M rows (no split, no reduce
+    pass), so a matrix-vector product of a few MB is one launch that reads its weight once."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -144,6 +180,34 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
             break
         best = rows
     return best
+
+
+# gemv launches tried per row count by `plan_gemv` (chosen from `python -m bench.tune_kernels`)
+# (H200, Gemma-3 1B and 4B projections: these two won every case at 1 and 2 rows)
+GEMV_CANDIDATES = (
+    dict(block_n=4, block_k=1024, warps=4, stages=4),
+    dict(block_n=4, block_k=1024, warps=4, stages=3),
+)
+GEMV_ROWS = (1, 2, 4, 8)
+
+
+@torch.no_grad()
+def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS) -> dict[int, dict]:
+    """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
+    (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
+    between calls), timed from a CUDA graph. Row counts where the library is fastest are absent."""
+    if triton is None or not weights or weights[0].device.type != "cuda":
+        return {}
+    w0 = weights[0]
+    plan = {}
+    for m in rows:
+        x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+        best = _time(lambda: [F.linear(x, w) for w in weights], reps=3)
+        for cfg in GEMV_CANDIDATES:
+            t = _time(lambda cfg=cfg: [gemv(x, w, **cfg) for w in weights], reps=3)
+            if t < best:
+                best, plan[m] = t, cfg
+    return plan
 
 
 def _time(fn, reps: int = 20) -> float:

@@ -85,19 +85,21 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
     ks = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     vs = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     ref = reference(q, ks, vs, rows, pos, **kw).double()
-    for splits in (1, 8, 64):
-        out = decode_attention(q, ks, vs, rows, pos, splits=splits, **kw).double()
+    launches = [{}] + [dict(splits=s, block=b) for s in (1, 8, 64) for b in (16, 32, 64)]  # {}: launch_for's
+    for launch in launches:
+        out = decode_attention(q, ks, vs, rows, pos, **launch, **kw).double()
         err = ((out - ref).norm() / ref.norm()).item()
-        print(f"{layout} {dtype} splits={splits}: rel err {err:.1e}")
-        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        print(f"{layout} {dtype} {launch or 'default launch'}: rel err {err:.1e}")
+        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), launch
 
 
-def check_decode_attention_store(layout: str, dtype, device: str = "cuda") -> tuple[float, float]:
+def check_decode_attention_store(layout: str, dtype) -> tuple[float, float]:
     """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
     it) against the reference: (output rel err, max |store diff|)."""
     from engine.kernels.decode_attention import decode_attention, reference
     from engine.kv_policy import ring_slot
 
+    device = "cuda"
     gen = torch.Generator(device=device).manual_seed(5)
     B, H, hkv, D, page, num_rows, max_blocks = 9, 8, 2, 64, 16, 12, 20
     rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
@@ -122,7 +124,7 @@ def check_decode_attention_store(layout: str, dtype, device: str = "cuda") -> tu
     vs = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
     rk, rv = ks.clone(), vs.clone()
     ref = reference(q, rk, rv, rows, pos, store_slot=slot, **kw).double()
-    out = decode_attention(q, ks, vs, rows, pos, store_slot=slot, splits=8, **kw).double()
+    out = decode_attention(q, ks, vs, rows, pos, store_slot=slot, **kw).double()
     err = ((out - ref).norm() / ref.norm()).item()
     return err, max((ks - rk).abs().max().item(), (vs - rv).abs().max().item())
 
@@ -217,6 +219,28 @@ def test_small_batch_linear_matches_library(dtype):
         want = F.linear(x.double(), w.double())
         err = ((small_linear(x, w, 132).double() - want).norm() / want.norm()).item()
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
+    """The one-kernel few-row product against F.linear on odd shapes, every candidate launch and
+    1..8 rows; the plan over a stack of weights holds only row counts and launches it may use."""
+    import torch.nn.functional as F
+
+    from engine.kernels.small_linear import GEMV_CANDIDATES, GEMV_ROWS, gemv, plan_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for m, n, k in [(1, 1024, 2560), (3, 2560, 10240), (8, 333, 1152), (5, 4100, 130), (2, 7, 3000)]:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+        w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+        want = F.linear(x.double(), w.double())
+        for cfg in GEMV_CANDIDATES:
+            err = ((gemv(x, w, **cfg).double() - want).norm() / want.norm()).item()
+            assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, err)
+    weights = [torch.randn(2048, 2560, device="cuda", generator=gen).to(dtype) for _ in range(8)]
+    plan = plan_gemv(weights)
+    print(f"{dtype}: gemv plan for 2048x2560: {plan}")
+    assert set(plan) <= set(GEMV_ROWS) and all(cfg in GEMV_CANDIDATES for cfg in plan.values())
 
 
 def test_substituted_linears_keep_model_outputs():
