@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune]
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -21,6 +21,8 @@ case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
+  tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)
+    python3 -m bench.tune_kernels --out "$OUT" 2>&1 | tee "$OUT/tune-kernels.log" ;;
   moe)
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --out "$OUT" ;;
   full)

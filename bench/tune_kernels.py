@@ -1,0 +1,210 @@
+"""Launch settings of the decode kernels, measured on the GPU.
+
+Two families of cases, on the BENCH.md Gemma-3 shapes:
+  attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer,
+             N rows of about 1,238 tokens, N in 1..256
+  linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows
+Each candidate launch is timed from a CUDA graph that cycles over copies of its operands (256 MB
+in all, or 128 copies of the smallest), so that, as in a forward where every layer reads its own
+weights and K/V, they are mostly not served from L2. The table gives, per case, the current setting, the library (`F.linear`)
+where there is one, and the best candidate, each in us and in GB/s of bytes that must be read,
+beside the measured copy bandwidth. JSON goes to bench/results.
+
+    python -m bench.tune_kernels [--shape gemma3-4b gemma3-1b] [--n 1 8 64 256] [--rows 1 2 4 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
+from engine.kernels import decode_attention as da
+from engine.kernels import small_linear as sl
+
+ROTATE_BYTES = 256 << 20
+PROMPT = 1238
+
+
+def graph_us(calls) -> float:
+    """Device time per call of `calls` (one per operand copy), replayed from a CUDA graph (on the
+    CPU, where the script only checks itself, wall time of one round)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) * 1e6 / len(calls)
+    reps = max(2, 256 // len(calls))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()  # compiles, warms
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * len(calls))
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(128, math.ceil(ROTATE_BYTES / max(nbytes, 1)))) if torch.cuda.is_available() else 1
+
+
+def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtype, dev, quick: bool,
+                    seed: int = 0):
+    """Yields (layout, bytes read per call, current kwargs, candidate kwargs list, make_calls)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    H, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    pos = torch.randint(PROMPT, PROMPT + 128, (n,), device=dev, generator=g)
+    rows = torch.arange(n, device=dev)
+    scale = D ** -0.5
+    grid = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)) if not quick else
+                itertools.product((16, 32), (4,), (2, 3)))
+    for layout in ("ring", "paged"):
+        if layout == "ring":
+            slots = (n + 1) * (sink + window)
+            per = n * (sink + window) * Hkv * D * 2 * dtype.itemsize
+        else:
+            blocks_per_row = math.ceil((PROMPT + 129) / page)
+            slots = (n * blocks_per_row + 1) * page
+            per = int(pos.sum() + n) * Hkv * D * 2 * dtype.itemsize
+        ncopy = copies_for(slots * Hkv * D * 2 * dtype.itemsize)
+        stores = [(torch.randn(slots, Hkv, D, device=dev, generator=g).to(dtype),
+                   torch.randn(slots, Hkv, D, device=dev, generator=g).to(dtype)) for _ in range(ncopy)]
+        q = torch.randn(n, H, D, device=dev, generator=g).to(dtype)
+        k_new = torch.randn(n, Hkv, D, device=dev, generator=g).to(dtype)
+        v_new = torch.randn(n, Hkv, D, device=dev, generator=g).to(dtype)
+        if layout == "ring":
+            kw = dict(ring=(sink, window))
+            store_slot = rows * (sink + window) + sink + (pos - sink) % window
+        else:
+            perm = torch.randperm(n * blocks_per_row, device=dev, generator=g).int()
+            table = perm.reshape(n, blocks_per_row)
+            kw = dict(block_table=table, page=page)
+            store_slot = table[rows, pos // page].long() * page + pos % page
+        out = torch.empty_like(q)
+
+        def make(cfg, stores=stores, q=q, k_new=k_new, v_new=v_new, kw=kw, store_slot=store_slot, out=out):
+            return [lambda ks=ks, vs=vs: da.decode_attention(
+                q, ks, vs, rows, pos, scale=scale, k_new=k_new, v_new=v_new, store_slot=store_slot, out=out,
+                **kw, **cfg) for ks, vs in stores]
+
+        current = da.launch_for(layout == "paged", n, Hkv)
+        splits = current["splits"]
+        split_options = sorted({1, max(1, splits // 4), max(1, splits // 2), splits, min(64, splits * 2)})
+        cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options]
+        yield layout, per, current, cands, make
+
+
+def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    hid, inter = shape["hidden_size"], shape["intermediate_size"]
+    H, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    mp = max(1, 1 << (rows - 1).bit_length())
+    grid = [(bn, bk, w, st) for (bn, bk) in ((4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256))
+            for w in (4, 8) for st in (3, 4) if mp * bn * bk <= 128 * 32 * w]
+    for name, (n, k) in {"qkv": ((H + 2 * Hkv) * D, hid), "o": (hid, H * D), "gate_up": (2 * inter, hid),
+                         "down": (hid, inter)}.items():
+        ncopy = copies_for(n * k * dtype.itemsize)
+        ws = [torch.randn(n, k, device=dev, generator=g).to(dtype) for _ in range(ncopy)]
+        x = torch.randn(rows, k, device=dev, generator=g).to(dtype)
+        want = F.linear(x.float(), ws[0].float())
+
+        def check(y):
+            err = ((y.float() - want).norm() / want.norm()).item()
+            assert err < 1e-2, err
+
+        lib = [lambda w=w: F.linear(x, w) for w in ws]
+        split = [lambda w=w: sl.small_linear(x, w, sms) for w in ws]
+        check(sl.small_linear(x, ws[0], sms))
+        cands = {}
+        for bn, bk, w_, st in grid:
+            cfg = dict(block_n=bn, block_k=bk, warps=w_, stages=st)
+            check(sl.gemv(x, ws[0], **cfg))
+            cands[f"gemv bn{bn} bk{bk} w{w_} s{st}"] = [lambda w=w, cfg=cfg: sl.gemv(x, w, **cfg) for w in ws]
+        yield name, n * k * dtype.itemsize, lib, split, cands
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", nargs="+", default=["gemma3-4b", "gemma3-1b"], choices=sorted(SHAPES))
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="none: no projections")
+    ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    dtype = torch.bfloat16
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    bw = copy_bandwidth(dev)  # the floors' bandwidth, as bench.throughput measures it
+    name_dev = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{name_dev}, {sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    results = {"attention": [], "linear": []}
+    meta = {"bench": "tune_kernels", "device": name_dev, "torch": torch.__version__,
+            "transformers": transformers.__version__, "triton": da.triton.__version__ if da.triton else None, "copy_bandwidth_Bps": bw,
+            "commit": git_commit(), "engine_source": source_digest(), "dtype": str(dtype), "page": a.page,
+            "sink": a.sink, "window": a.window}
+    out = Path(a.out) / f"tune-kernels-cuda-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode():
+        for name in a.shape:
+            shape = SHAPES[name]
+            print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
+            print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
+            for n in a.n:
+                for layout, nbytes, current, cands, make in attention_cases(shape, n, a.page, a.sink, a.window,
+                                                                              dtype, dev, a.quick):
+                    cur = graph_us(make(current))
+                    timed = [(graph_us(make(c)), c) for c in cands]
+                    best_us, best = min(timed, key=lambda t: t[0])
+                    floor = nbytes / bw * 1e6
+                    print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s "
+                          f"{best_us:8.1f} {nbytes / best_us / 1e3:6.0f}GB/s  {best}")
+                    results["attention"].append(dict(
+                        shape=name, layout=layout, n=n, bytes=nbytes, floor_us=floor, current=current,
+                        current_us=cur, best=best, best_us=best_us,
+                        all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
+            if a.rows:
+                print(f"\n{name} projections (us; GB/s of weight read)")
+                print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best gemv':>15}  launch")
+            for rows in a.rows:
+                for proj, nbytes, lib, split, cands in linear_cases(shape, rows, dtype, sms, dev):
+                    t_lib, t_split = graph_us(lib), graph_us(split)
+                    timed = sorted(((graph_us(c), k) for k, c in cands.items()), key=lambda t: t[0])
+                    best_us, best = timed[0]
+                    floor = nbytes / bw * 1e6
+                    print(f"{proj:8} {rows:2} {floor:6.1f} {t_lib:7.1f} {nbytes / t_lib / 1e3:5.0f}GB/s "
+                          f"{t_split:7.1f} {nbytes / t_split / 1e3:5.0f}GB/s {best_us:7.1f} "
+                          f"{nbytes / best_us / 1e3:5.0f}GB/s  {best}")
+                    results["linear"].append(dict(
+                        shape=name, proj=proj, rows=rows, bytes=nbytes, floor_us=floor, f_linear_us=t_lib,
+                        split_k_us=t_split, best=best, best_us=best_us, top=[dict(us=t, launch=k) for t, k in timed[:6]]))
+            out.write_text(json.dumps({**meta, **results}, indent=1))  # after each shape: a cut run keeps its part
+            print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
