@@ -25,6 +25,8 @@ import torch
 from engine.kernels.decode_attention import decode_attention
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
+from engine.sampler import greedy_tokens
+from engine.types import StepLogits
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -111,7 +113,7 @@ class GraphDecoder:
         self.batches = {b: DecodeBatch(pool, b, self.table) for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per graph: (logits, greedy)
         if capture:
             self._capture()
 
@@ -120,8 +122,11 @@ class GraphDecoder:
             i.chunk.num_tokens == 1 and i.chunk.forward_start == i.chunk.start
             and i.chunk.forward_done for i in inputs)
 
-    def _forward(self, batch: DecodeBatch) -> torch.Tensor:
-        return self.forward(batch.ids, batch.pos, batch, None)
+    def _forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of every lane and their greedy tokens (both computed in the captured graph: a
+        greedy step then copies one small tensor to the host after the replay)."""
+        logits = self.forward(batch.ids, batch.pos, batch, None)
+        return logits, greedy_tokens(logits)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -138,7 +143,7 @@ class GraphDecoder:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
-                self.logits[size] = self._forward(batch)
+                self.outputs[size] = self._forward(batch)
             graph.replay()  # a graph's first launch uploads it to the device (ms): not in a served step
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -150,7 +155,7 @@ class GraphDecoder:
                 self.table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
             self._mirrored[row] = list(blocks)
 
-    def run(self, inputs) -> tuple[torch.Tensor, list[int]]:
+    def run(self, inputs) -> StepLogits:
         pool = self.pool
         size = next(b for b in self.batches if b >= len(inputs))
         batch = self.batches[size]
@@ -171,11 +176,13 @@ class GraphDecoder:
         self.steps += 1
         if size in self.graphs:
             self.graphs[size].replay()
-            logits = self.logits[size]
+            logits, greedy = self.outputs[size]
         else:
-            logits = self._forward(batch)
+            logits, greedy = self._forward(batch)
         pool.commit_decodes([i.chunk.row for i in inputs], [i.chunk.start for i in inputs])
         owners = [n for n, i in enumerate(inputs) if i.wants_logits]
         if len(owners) == len(inputs):
-            return logits[: len(inputs)], owners
-        return logits[torch.tensor(owners, dtype=torch.long, device=logits.device)], owners
+            n = len(inputs)
+            return StepLogits(logits[:n], owners, greedy[:, :n])
+        idx = torch.tensor(owners, dtype=torch.long, device=logits.device)
+        return StepLogits(logits[idx], owners, greedy[:, idx])

@@ -38,7 +38,7 @@ from engine.kv_policy import layer_layouts
 from engine.kv_rows import RowPool, RowSnapshot, SwappedRow
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
-from engine.sampler import greedy_batch, make_generator, sample_batch
+from engine.sampler import greedy_batch, greedy_host, make_generator, sample_batch
 from engine.scheduler import Scheduler, SchedRequest
 from engine.session_db import SessionDB
 from engine.types import EngineError, FinishReason, Request, RequestOutput
@@ -462,7 +462,7 @@ class Engine:
             lives.append(live)
         self.stats["steps"] += 1
         try:
-            logits, owners = self.runner.run(inputs)
+            logits, owners, greedy = self.runner.run(inputs)
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
         # From here on a failure belongs to one request: it ends with an error, the rest go on.
@@ -476,8 +476,11 @@ class Engine:
         greedy_rows = [j for j, n in enumerate(owners) if lives[n].request.params.greedy and j not in failed]
         sampled_rows = [j for j, n in enumerate(owners) if not lives[n].request.params.greedy and j not in failed]
         picked: dict[int, tuple[int, bool]] = {}
-        if greedy_rows:  # all greedy rows in one device call
-            tokens, finite = greedy_batch(logits[greedy_rows] if len(greedy_rows) < len(owners) else logits)
+        if greedy_rows:  # all greedy rows in one device call (made by the step itself where it can)
+            if len(greedy_rows) < len(owners):
+                tokens, finite = greedy_batch(logits[greedy_rows])
+            else:
+                tokens, finite = greedy_host(greedy) if greedy is not None else greedy_batch(logits)
             picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
         if sampled_rows:  # all sampled rows batched on the device, each with its own generator
             try:

@@ -14,6 +14,7 @@ from engine.decode_graph import GraphDecoder
 from engine.kernels.rmsnorm import fuse_norms
 from engine.kernels.small_linear import substitute_linears
 from engine.kv_rows import RowPool
+from engine.types import StepLogits
 
 
 # SDPA backends for the eager (prefill and mixed) steps. Not cuDNN: its attention builds an
@@ -53,9 +54,9 @@ class ModelRunner:
     def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
         return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)
 
-    def run(self, inputs: list[RunnerInput]) -> tuple[torch.Tensor, list[int]]:
-        """Runs the step; returns logits [n, vocab] (float32, on the device; valid until the next
-        step) and, for each of the n rows, the index into `inputs` it belongs to."""
+    def run(self, inputs: list[RunnerInput]) -> StepLogits:
+        """Runs the step: the logits of the rows that want them, whose inputs they belong to, and
+        (static decode steps) their greedy tokens, computed inside the step's graph."""
         if self.decoder is not None and self.decoder.accepts(inputs):
             return self.decoder.run(inputs)
         step = StepAttention(self.pool, [i.chunk for i in inputs])
@@ -74,4 +75,4 @@ class ModelRunner:
         with sdpa_kernel(EAGER_SDPA):
             logits = self.forward(input_ids, positions, step, index)  # [n, V]
         step.commit()
-        return logits, owners
+        return StepLogits(logits, owners, None)

@@ -19,13 +19,24 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
-def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Argmax of every row of `logits` [n, vocab] in one device call and one host sync; also
-    whether each row's best logit is finite (a NaN anywhere in a row wins its argmax)."""
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[2, n] int64 on the logits' device, computed there (no sync; capturable in a CUDA graph):
+    each row's argmax of `logits` [n, vocab], and 1 where that best logit is finite (a NaN
+    anywhere in a row wins its argmax)."""
     best = torch.argmax(logits, dim=-1)  # [n]
     ok = torch.isfinite(logits.gather(1, best[:, None])[:, 0])  # [n]
-    best, ok = torch.stack((best, ok.long())).tolist()  # one copy to the host
+    return torch.stack((best, ok.long()))
+
+
+def greedy_host(greedy: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """`greedy_tokens`' result on the host: one copy, one sync."""
+    best, ok = greedy.tolist()
     return best, [bool(x) for x in ok]
+
+
+def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Argmax of every row of `logits` [n, vocab] and whether each row's best logit is finite."""
+    return greedy_host(greedy_tokens(logits))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],

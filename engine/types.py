@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineError(ValueError):
@@ -75,3 +79,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # history tokens reused from the row
     num_output_tokens: int = 0  # tokens generated so far
     error: str | None = None  # set with FinishReason.ERROR
+
+
+class StepLogits(NamedTuple):
+    """What a model step hands back to the engine."""
+
+    logits: torch.Tensor  # [n, vocab] float32 on the device, valid until the next step
+    owners: list[int]  # for each of the n rows, the index into the step's inputs it belongs to
+    greedy: torch.Tensor | None  # [2, n] `sampler.greedy_tokens` of the logits, where the step made them
