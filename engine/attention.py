@@ -15,6 +15,7 @@ construction; the rule is still applied here, so the mask alone defines what a q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,8 @@ from engine.kv_rows import RowPool
 QUERY_BLOCK = 256
 
 
-@dataclass(frozen=True)
-class ForwardChunk:
-    """One row's share of a step."""
+class ForwardChunk(NamedTuple):
+    """One row's share of a step (a tuple: made per row per step, cheap to build)."""
 
     row: int
     num_tokens: int  # new tokens this step

@@ -3,7 +3,7 @@ static (CUDA graph) path of decode_graph.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,8 +24,7 @@ from engine.types import StepLogits
 EAGER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-@dataclass(frozen=True)
-class RunnerInput:
+class RunnerInput(NamedTuple):
     chunk: ForwardChunk
     token_ids: list[int]  # the chunk's new tokens
     wants_logits: bool  # sample a token after the chunk's last position

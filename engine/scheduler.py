@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 @dataclass
@@ -34,8 +34,7 @@ class SchedRequest:
         return self.num_prompt_tokens - self.num_computed
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     request_id: str
     num_tokens: int  # tokens to feed this step
     prefill_done: bool  # the last prompt token is in this chunk (always True for a decode)
