@@ -44,24 +44,7 @@ def graph_us(calls) -> float:
             c()
         return (time.perf_counter() - t0) * 1e6 / len(calls)
     reps = max(2, 256 // len(calls))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()  # compiles, warms
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for c in calls:
-                c()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * len(calls))
+    return sl.graph_ms(lambda: [c() for c in calls], reps) * 1000 / (reps * len(calls))
 
 
 def copies_for(nbytes: int) -> int:

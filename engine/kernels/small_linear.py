@@ -174,8 +174,8 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
     best = 0
     for rows in (1, 2, 4, 8, 16):
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
-        ours = _time(lambda: small_linear(x, weight, sms))
-        lib = _time(lambda: F.linear(x, weight))
+        ours = graph_ms(lambda: small_linear(x, weight, sms))
+        lib = graph_ms(lambda: F.linear(x, weight))
         if ours >= lib:
             break
         best = rows
@@ -202,17 +202,17 @@ def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS) ->
     plan = {}
     for m in rows:
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
-        best = _time(lambda: [F.linear(x, w) for w in weights], reps=3)
+        best = graph_ms(lambda: [F.linear(x, w) for w in weights], reps=3)
         for cfg in GEMV_CANDIDATES:
-            t = _time(lambda cfg=cfg: [gemv(x, w, **cfg) for w in weights], reps=3)
+            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg) for w in weights], reps=3)
             if t < best:
                 best, plan[m] = t, cfg
     return plan
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Device time of `reps` calls replayed from a CUDA graph (the way decode steps run them:
-    timing eager calls would measure Python launch cost instead)."""
+def graph_ms(fn, reps: int = 20) -> float:
+    """Device time (ms) of `reps` calls of `fn` replayed from a CUDA graph (the way decode steps
+    run them: timing eager calls would measure Python launch cost instead)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
