@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import hf_adapter
-from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, rmsnorm
+from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
 
@@ -102,6 +102,30 @@ def build(model) -> FusedGemma3 | None:
     return FusedGemma3(model)
 
 
+def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:
+    """Per layer type, the rotary embedding's (inverse frequencies, attention scaling), where its
+    tables are exactly `rope_tables` of them (checked here, on positions up to 64k); None where
+    not (a position-dependent RoPE variant, or a transformers version that computes otherwise):
+    the forward then keeps the module's tables."""
+    out = {}
+    positions = torch.cat([torch.arange(8192), torch.arange(8192, 65536, 61)]).to(device)
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    for lt in layer_types:
+        inv = getattr(rotary, f"{lt}_inv_freq", None)
+        scaling = getattr(rotary, f"{lt}_attention_scaling", None)
+        kind = getattr(rotary, "rope_type", None)
+        kind = kind.get(lt) if isinstance(kind, dict) else kind
+        if kind not in ("default", "linear") or inv is None or scaling is None:
+            return None
+        inv = inv.detach().float().contiguous()
+        cos, sin = rotary(probe, positions[None], lt)
+        mine = rope_tables(positions, inv, float(scaling), dtype)
+        if not (torch.equal(cos[0], mine[0]) and torch.equal(sin[0], mine[1])):
+            return None
+        out[lt] = (inv, float(scaling))
+    return out
+
+
 def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
     """One [sum(out), in] weight; each linear's weight becomes a view of its rows."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0)
@@ -124,6 +148,9 @@ class FusedGemma3:
         self.eps = float(cfg.rms_norm_eps)
         self.final_norm = base.norm.weight
         self.layer_types = sorted(set(cfg.layer_types))
+        dtype = base.embed_tokens.weight.dtype
+        with torch.inference_mode():
+            self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -160,16 +187,22 @@ class FusedGemma3:
         `logits_index` (None: all), attention through `step`."""
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
-        rope = {}
-        for lt in self.layer_types:
-            cos, sin = self.rotary(h, positions[None], lt)
-            rope[lt] = (cos[0], sin[0])  # [T, D]
+        tables = {}
+        if self.rope is None:  # the module's tables (else the kernel computes their entries)
+            for lt in self.layer_types:
+                cos, sin = self.rotary(h, positions[None], lt)
+                tables[lt] = (cos[0], sin[0])  # [T, D]
         eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps)
         for n, L in enumerate(self.layers):
             qkv = self._project(x, L, "wqkv")
-            cos, sin = rope[L.layer_type]
-            q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps)
+            if self.rope is None:
+                cos, sin = tables[L.layer_type]
+                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps)
+            else:
+                inv_freq, scaling = self.rope[L.layer_type]
+                q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
+                                          L.kv_heads, eps)
             a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             L.scaling, L.softcap)  # [1, T, H, D]
             o = self._project(a.reshape(T, -1), L, "wo")

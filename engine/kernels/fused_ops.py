@@ -9,6 +9,9 @@ kilobytes, so their launches, not their bytes, cost the time. Three kernels do t
   add_rmsnorm   h' = h + norm(y) * (1 + w_post);  x = norm(h') * (1 + w_next)
                 (the residual add after attention or the MLP, and the next norm: one read of h, y)
   qk_norm_rope  per head of the fused QKV output: RMSNorm of Q and K heads, then RoPE, in place
+                (`qk_norm_rope_at` computes the RoPE tables' entries itself from the positions,
+                as the stock rotary embedding does, instead of reading tables made by ~9 kernels
+                per layer type)
   gelu_mul      gelu_tanh(gate) * up from the fused gate/up output
 
 Each rounds where the stock layer rounds to the activation dtype (after a norm, after the
@@ -26,6 +29,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # the accurate cos/sin, as torch's (not .approx)
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -64,6 +68,14 @@ def qk_norm_rope_ref(qkv, wq, wk, cos, sin, heads, kv_heads, eps):
     return q * c + rot(q) * s, k * c + rot(k) * s, v
 
 
+def rope_tables(positions, inv_freq, scaling, dtype):
+    """cos, sin [T, D] of `positions` [T]: the stock rotary embedding's math (float32 angles,
+    both halves alike, times the attention scaling, cast to `dtype`)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
 def gelu_mul_ref(gu):
     g, u = gu.chunk(2, dim=-1)
     return torch.nn.functional.gelu(g, approximate="tanh") * u
@@ -100,8 +112,8 @@ if triton is not None:
         tl.store(X + row * N + cols, (rf * rr * (1.0 + wn)).to(dt), mask=m)
 
     @triton.jit
-    def _qk_norm_rope(QKV, Wq, Wk, Cos, Sin, stride_t, stride_c, heads, eps,
-                      D: tl.constexpr, HALF: tl.constexpr):
+    def _qk_norm_rope(QKV, Wq, Wk, Cos, Sin, Pos, InvFreq, stride_t, stride_c, heads, eps, scaling,
+                      D: tl.constexpr, HALF: tl.constexpr, ANGLES: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hd = tl.program_id(1)
         c = tl.arange(0, HALF)
@@ -118,8 +130,13 @@ if triton is not None:
             w2 = tl.load(Wk + HALF + c).to(tl.float32)
         n1 = (x1 * r * (1.0 + w1)).to(dt).to(tl.float32)
         n2 = (x2 * r * (1.0 + w2)).to(dt).to(tl.float32)
-        cs = tl.load(Cos + t * stride_c + c).to(dt).to(tl.float32)
-        sn = tl.load(Sin + t * stride_c + c).to(dt).to(tl.float32)
+        if ANGLES:  # the table entries, computed as `rope_tables` computes them
+            ang = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + c)
+            cs = (libdevice.cos(ang) * scaling).to(dt).to(tl.float32)
+            sn = (libdevice.sin(ang) * scaling).to(dt).to(tl.float32)
+        else:
+            cs = tl.load(Cos + t * stride_c + c).to(dt).to(tl.float32)
+            sn = tl.load(Sin + t * stride_c + c).to(dt).to(tl.float32)
         tl.store(base + c, (n1 * cs - n2 * sn).to(dt))
         tl.store(base + HALF + c, (n2 * cs + n1 * sn).to(dt))
 
@@ -175,8 +192,27 @@ def qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv_heads, eps):
     assert qkv.is_contiguous() and D % 2 == 0 and D == triton.next_power_of_2(D)
     cos, sin = cos.contiguous(), sin.contiguous()
     if T:
-        _qk_norm_rope[(T, heads + kv_heads)](qkv, wq, wk, cos, sin, qkv.stride(0), cos.stride(0), heads, eps,
-                                               D=D, HALF=D // 2, num_warps=1 if D <= 128 else 2)
+        _qk_norm_rope[(T, heads + kv_heads)](qkv, wq, wk, cos, sin, cos, cos, qkv.stride(0), cos.stride(0), heads,
+                                               eps, 1.0, D=D, HALF=D // 2, ANGLES=False,
+                                               num_warps=1 if D <= 128 else 2)
+    return x.split([heads, kv_heads, kv_heads], dim=1)
+
+
+def qk_norm_rope_at(qkv, wq, wk, positions, inv_freq, scaling, heads, kv_heads, eps):
+    """`qk_norm_rope` with the RoPE tables of `rope_tables(positions, inv_freq, scaling)`; on
+    CUDA the kernel computes their entries itself (no tables)."""
+    if not _use_triton(qkv):
+        cos, sin = rope_tables(positions, inv_freq, scaling, qkv.dtype)
+        return qk_norm_rope_ref(qkv, wq, wk, cos, sin, heads, kv_heads, eps)
+    T = qkv.shape[0]
+    x = qkv.view(T, heads + 2 * kv_heads, -1)
+    D = x.shape[-1]
+    assert qkv.is_contiguous() and D % 2 == 0 and D == triton.next_power_of_2(D)
+    assert inv_freq.dtype == torch.float32 and inv_freq.numel() == D // 2
+    if T:
+        _qk_norm_rope[(T, heads + kv_heads)](qkv, wq, wk, qkv, qkv, positions, inv_freq, qkv.stride(0), 0, heads,
+                                               eps, float(scaling), D=D, HALF=D // 2, ANGLES=True,
+                                               num_warps=1 if D <= 128 else 2)
     return x.split([heads, kv_heads, kv_heads], dim=1)
 
 
