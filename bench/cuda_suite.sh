@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b]
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -23,6 +23,12 @@ case "${2:-}" in
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)
     python3 -m bench.tune_kernels --out "$OUT" 2>&1 | tee "$OUT/tune-kernels.log" ;;
+  overlap)  # steps launched ahead of the host against steps applied in order, same run
+    run_tests
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 64 --overlap on off --out "$OUT" --tag overlap ;;
+  overlap-1b)
+    python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --overlap on off --out "$OUT" --tag overlap
+    python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
   moe)
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --out "$OUT" ;;
   full)

@@ -275,6 +275,9 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", choices=["fused", "stock"], default=["fused"],
                     help="the engine's fused Gemma 3 layer forward, the stock transformers layers, or both "
                          "(models the fused forward does not take run stock either way)")
+    ap.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
+                    help="steady decode steps launched ahead of the host (EngineConfig.overlap_steps; on: "
+                         "the CUDA default), or applied in order, or both for an A/B in one run")
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled decode step; its first run per "
                          "shape and N compiles for a minute or more), reported beside the default")
@@ -316,7 +319,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'weights':>8} {'layers':>6} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
+    print(f"{'n':>3} {'weights':>8} {'layers':>6} {'ahead':>5} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
           f"{'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}"
           + (f" {'HF static tok/s':>15} {'vs static':>9}" if a.hf_static else ""), flush=True)
     for n in a.n:
@@ -327,14 +330,15 @@ def main() -> None:
         for w, eng in engines.items():
             hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
-            for layers, policy in [(x, p) for x in a.layers for p in policies]:
-                res = run_engine(eng, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused")
+            for layers, overlap, policy in [(x, o, p) for x in a.layers for o in a.overlap for p in policies]:
+                res = run_engine(eng, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
+                                 overlap_steps=overlap == "on")
                 layers = res.pop("layers")
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
                     floor = n / ((weight_bytes[w] + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
-                row = {"n": n, "weights": label, "layers": layers, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "hf_static_decode_tok_s": hf_static["decode_tok_s"] if hf_static and w not in hf_for else None,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
@@ -342,7 +346,7 @@ def main() -> None:
                 rate = res["decode_tok_s"] or res["decode_tail_tok_s"]  # no all-rows window: the tail rate
                 vs_floor = f"{rate / floor:>7.3f}x" if floor else f"{'-':>8}"
                 shown = f"{res['decode_tok_s']:>13.1f}" if res["decode_tok_s"] else f"{'(tail) ' + format(rate, '.1f'):>13}"
-                print(f"{n:>3} {label:>8} {layers:>6} {policy:>7} {shown} {res['decode_tail_tok_s']:>10.1f} "
+                print(f"{n:>3} {label:>8} {layers:>6} {overlap:>5} {policy:>7} {shown} {res['decode_tail_tok_s']:>10.1f} "
                       f"{hf_res['decode_tok_s']:>9.1f} {rate / hf_res['decode_tok_s']:>5.2f}x {vs_floor} "
                       f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}"
                       + (f" {row['hf_static_decode_tok_s']:>15.1f} {rate / row['hf_static_decode_tok_s']:>8.2f}x"

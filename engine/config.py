@@ -39,6 +39,11 @@ class EngineConfig:
     # on for CUDA, off for the CPU; True on the CPU runs the same static step uncaptured.
     decode_graphs: bool | None = None
     max_graph_batch: int = 256  # the largest decode batch captured (larger steps run eagerly)
+    # Overlap the host with the device in steady decoding: the next static decode step is
+    # launched (its tokens read on the device) before the host applies the step before it, and a
+    # row found finished one step late has that extra step undone (engine.py, `_step_ahead`).
+    # None: on where decode graphs are captured (CUDA); True on the CPU runs the same logic.
+    overlap_steps: bool | None = None
     # The engine's own Gemma 3 layer forward with fused projections and elementwise kernels
     # (fused_forward.py) where the model has the stock structure and plain linears; False, or any
     # other model, runs the stock transformers layers.

@@ -8,10 +8,17 @@ The batch is padded to the next bucket size; padding lanes read the zero block a
 pool's scratch places, so they touch no row.
 
 Per step the host writes one small int64 tensor (token ids, positions, rows, the K/V write slots
-on paged and ring layers) and copies it to the device without a sync; block tables live in a
-device mirror that is rewritten only for rows whose blocks changed. Attention runs the ragged
-decode kernels of `kernels/decode_attention.py` straight on the pool's storage. The host books
-(kv_len, ring positions) are committed exactly as the eager path commits them.
+on paged and ring layers, token sources) and copies it to the device without a sync; block tables
+live in a device mirror that is rewritten only for rows whose blocks changed. Attention runs the
+ragged decode kernels of `kernels/decode_attention.py` straight on the pool's storage. The host
+books (kv_len, ring positions) are committed exactly as the eager path commits them.
+
+A step may also be launched before the host has seen the tokens it feeds (`run(..., sources)`):
+a lane then reads its token id on the device, from the greedy tokens the previous static step
+left in `last`. The engine does this to overlap its host work with the device (engine.py,
+`_step_ahead`). A row that turns out to have finished one step earlier must get its state back:
+with `undoable`, ring layers keep what each store overwrote (`evicted`), and `RowPool.undo_decode`
+puts it back.
 
 On the CPU the same step runs without capture (`EngineConfig.decode_graphs=True`); tests use it
 to hold the static path to the eager one.
@@ -38,19 +45,23 @@ def buckets_upto(max_batch: int) -> list[int]:
 class DecodeBatch:
     """The step attention (`s5_step`) of a static decode of `size` lanes."""
 
-    IDS, POS, ROWS, PAGED_SLOT, RING_SLOT = range(5)
+    IDS, POS, ROWS, PAGED_SLOT, RING_SLOT, SRC = range(6)
 
-    def __init__(self, pool: RowPool, size: int, table: torch.Tensor) -> None:
+    def __init__(self, pool: RowPool, size: int, table: torch.Tensor, last: torch.Tensor,
+                 evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         self.pool = pool
         self.size = size
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
+        self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
+        self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote
         dev = pool.device
-        self.inputs = torch.zeros((5, size), dtype=torch.long, device=dev)
-        self.ids, self.pos, self.rows, self.paged_slot, self.ring_slot = self.inputs.unbind(0)
-        self.padding = torch.zeros((5, size), dtype=torch.long)
+        self.inputs = torch.zeros((6, size), dtype=torch.long, device=dev)
+        self.ids, self.pos, self.rows, self.paged_slot, self.ring_slot, self.src = self.inputs.unbind(0)
+        self.padding = torch.zeros((6, size), dtype=torch.long)
         self.padding[self.ROWS] = pool.scratch_ring_row
         self.padding[self.PAGED_SLOT] = pool.scratch_paged_slot
         self.padding[self.RING_SLOT] = pool.scratch_ring_row * pool.ring_slots
+        self.padding[self.SRC] = -1
         self.padding_np = self.padding.numpy()
         cuda = dev.type == "cuda"
         # Two host buffers in turn: a step that wants no logits (a replayed forward) ends with no
@@ -61,9 +72,10 @@ class DecodeBatch:
         self.turn = 0
         self.inputs.copy_(self.hosts[0])
 
-    def load(self, lanes: list[tuple[int, int, int, int, int]]) -> None:
-        """Per-lane (id, pos, row, paged slot, ring slot); the rest are padding. No host sync
-        beyond waiting for the copy two steps back, which the device has long finished."""
+    def load(self, lanes: list[tuple[int, int, int, int, int, int]]) -> None:
+        """Per-lane (id, pos, row, paged slot, ring slot, source lane or -1); the rest are padding.
+        No host sync beyond waiting for the copy two steps back, which the device has long
+        finished."""
         n = len(lanes)
         self.turn ^= 1
         host, copied = self.hosts[self.turn], self.copied[self.turn]
@@ -76,6 +88,11 @@ class DecodeBatch:
         self.inputs.copy_(host, non_blocking=True)
         if copied is not None:
             copied.record()
+
+    def token_ids(self) -> torch.Tensor:
+        """Each lane's token: the host's, or (source lane >= 0) the greedy token that lane of the
+        previous static step produced, read on the device."""
+        return torch.where(self.src >= 0, self.last[self.src.clamp(min=0)], self.ids)
 
     def attend(self, layer, query, key, value, scaling, softcap=None) -> torch.Tensor:
         """Attention output [1, B, H, D]; stores the new K/V. Same contract as StepAttention."""
@@ -94,15 +111,32 @@ class DecodeBatch:
         else:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(pool.sink, pool.window),
-                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot)
+                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot,
+                                   evicted=self.evicted[layer] if self.evicted is not None else None)
         return out.unsqueeze(0)
 
 
-class GraphDecoder:
-    """Owns the static decode batches, their CUDA graphs and the block-table mirror."""
+class GreedyFetch:
+    """A static step's greedy tokens on their way to the host: the copy is queued right behind the
+    step, and `result()` waits for that copy alone (not for steps queued after it)."""
 
-    def __init__(self, forward, pool: RowPool, max_batch: int, max_model_len: int, capture: bool) -> None:
-        """`forward(ids, positions, step, logits_index)`: the runner's model forward."""
+    def __init__(self, host: np.ndarray, done: torch.cuda.Event | None) -> None:
+        self.host, self.done = host, done  # host: [2, n], the copy's destination
+
+    def result(self) -> tuple[list[int], list[bool]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[0].tolist(), [bool(x) for x in self.host[1]]
+
+
+class GraphDecoder:
+    """Owns the static decode batches, their CUDA graphs, the block-table mirror and the buffers
+    of steps launched ahead (`last`, `evicted`, the host copies of their tokens)."""
+
+    def __init__(self, forward, pool: RowPool, max_batch: int, max_model_len: int, capture: bool,
+                 undoable: bool = False) -> None:
+        """`forward(ids, positions, step, logits_index)`: the runner's model forward. `undoable`:
+        ring stores keep what they overwrite, for `RowPool.undo_decode`."""
         self.forward = forward
         self.pool = pool
         self.max_batch = max_batch
@@ -110,7 +144,22 @@ class GraphDecoder:
         max_blocks = max(1, min(pool.blocks_for(max_model_len), pool.num_blocks - 1)) if pool.paged_layers else 1
         self.table = torch.zeros((pool.num_rows + 1, max_blocks), dtype=torch.int32, device=dev)
         self._mirrored: dict[int, list[int]] = {}
-        self.batches = {b: DecodeBatch(pool, b, self.table) for b in buckets_upto(max_batch)}
+        self.last = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.evicted = None
+        if undoable:
+            self.evicted = {i: (torch.zeros((max_batch, *pool.k[i].shape[1:]), dtype=pool.dtype, device=dev),
+                                torch.zeros((max_batch, *pool.k[i].shape[1:]), dtype=pool.dtype, device=dev))
+                            for i in pool.ring_layers}
+        cuda = dev.type == "cuda"
+        # two in turn: the host reads one step's tokens while the next step's copy is queued;
+        # flat, so a step's [2, n] is one contiguous run (an asynchronous copy needs one)
+        self._fetch_host = [torch.zeros(2 * max_batch, dtype=torch.long) for _ in range(2)]
+        if cuda:
+            self._fetch_host = [h.pin_memory() for h in self._fetch_host]
+        self._fetch_np = [h.numpy() for h in self._fetch_host]
+        self._fetch_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._fetch_turn = 0
+        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted) for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per graph: (logits, greedy)
@@ -125,8 +174,10 @@ class GraphDecoder:
     def _forward(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of every lane and their greedy tokens (both computed in the captured graph: a
         greedy step then copies one small tensor to the host after the replay)."""
-        logits = self.forward(batch.ids, batch.pos, batch, None)
-        return logits, greedy_tokens(logits)
+        logits = self.forward(batch.token_ids(), batch.pos, batch, None)
+        greedy = greedy_tokens(logits)
+        self.last[: batch.size].copy_(greedy[0])  # for a step launched before the host sees them
+        return logits, greedy
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -155,14 +206,32 @@ class GraphDecoder:
                 self.table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
             self._mirrored[row] = list(blocks)
 
-    def run(self, inputs) -> StepLogits:
+    def fetch(self, greedy: torch.Tensor) -> GreedyFetch:
+        """Queue the copy of a step's greedy tokens [2, n] to the host; no sync."""
+        self._fetch_turn ^= 1
+        t = self._fetch_turn
+        n = greedy.shape[1]
+        self._fetch_host[t][: 2 * n].view(2, n).copy_(greedy.contiguous(), non_blocking=True)
+        done = self._fetch_done[t]
+        if done is not None:
+            done.record()
+        return GreedyFetch(self._fetch_np[t][: 2 * n].reshape(2, n), done)
+
+    def evicted_at(self, lane: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """What the newest step's ring stores overwrote for `lane`: layer -> (k, v) [Hkv, D]."""
+        assert self.evicted is not None, "built without undoable stores"
+        return {i: (k[lane], v[lane]) for i, (k, v) in self.evicted.items()}
+
+    def run(self, inputs, sources: list[int] | None = None) -> StepLogits:
+        """`sources`: per input, the lane of the previous static step whose greedy token it feeds
+        (its `token_ids` are then ignored), or -1."""
         pool = self.pool
         size = next(b for b in self.batches if b >= len(inputs))
         batch = self.batches[size]
         bs, rs, sink, window = pool.block_size, pool.ring_slots, pool.sink, pool.window
         paged, ringed = bool(pool.paged_layers), bool(pool.ring_layers)
         lanes = []
-        for inp in inputs:
+        for n, inp in enumerate(inputs):
             c = inp.chunk
             p = c.start
             pslot = rslot = 0
@@ -171,7 +240,7 @@ class GraphDecoder:
                 pslot = pool.row(c.row).blocks[p // bs] * bs + p % bs
             if ringed:
                 rslot = c.row * rs + ring_slot(p, sink, window)
-            lanes.append((inp.token_ids[0], p, c.row, pslot, rslot))
+            lanes.append((inp.token_ids[0], p, c.row, pslot, rslot, -1 if sources is None else sources[n]))
         batch.load(lanes)
         self.steps += 1
         if size in self.graphs:

@@ -9,6 +9,12 @@ A session's history is every token fed to or produced by the model. The row hold
 possibly the last one (a sampled token is fed only by the next forward), so a new turn feeds
 `history[kv_len:] + new input` as one logical forward: history is never prefilled twice.
 
+Steady decoding overlaps the host with the device (`EngineConfig.overlap_steps`): while every
+running request decodes greedily, the next static decode step is launched, its tokens read on the
+device, before the host applies the step before it (`_step_ahead`). A row that the applied step
+finishes (EOS, a stop string) was fed one token too many: `_finish` undoes that token's forward
+(`RowPool.undo_decode`), so the row is exactly what the plain order of steps leaves.
+
 A session also records the logical forwards that computed its history (`forwards`: per turn, one
 prefill forward and then one-token decode forwards). A session whose row was given up (rows ran
 short and host memory for swapping too, or the server restarted with a SessionDB) gets it back on
@@ -27,11 +33,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from engine.attention import ForwardChunk
 from engine.config import EngineConfig
+from engine.decode_graph import GreedyFetch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hf_adapter import geometry
 from engine.kv_policy import layer_layouts
@@ -82,6 +90,16 @@ class _Live:
     row_is_new: bool = False  # row allocated for this turn (rollback frees it)
     output_ids: list[int] = field(default_factory=list)
     stop_string_hit: bool = False
+    # (lane, position) in the newest launched step, while its token is not applied yet
+    ahead: tuple[int, int] | None = None
+
+
+class _Pending(NamedTuple):
+    """A static decode step launched and not yet applied (see `_step_ahead`)."""
+
+    lives: list[_Live]  # per lane
+    positions: list[int]  # the position each lane fed
+    fetch: GreedyFetch  # its greedy tokens, on their way to the host
 
 
 class Engine:
@@ -112,8 +130,13 @@ class Engine:
             block_size=config.kv_block_size,
             num_blocks=max(2, config.kv_cache_bytes // block_bytes + 1),
         )
+        capture = self.pool.device.type == "cuda"
+        overlap = config.static_decode_batch > 0 and (
+            config.overlap_steps if config.overlap_steps is not None else capture)
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
-                                  capture=self.pool.device.type == "cuda", fused=config.fused_layers)
+                                  capture=capture, fused=config.fused_layers, undoable=overlap)
+        self.overlap = overlap
+        self._pending: _Pending | None = None  # a static decode step launched, not yet applied
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, self)
         self.sessions: dict[str, _Session] = {}
         # sessions closed by the engine (LRU when rows ran out, or idle TTL): id -> reason.
@@ -440,6 +463,10 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One forward's outputs. With a step in flight (`_step_ahead`), those are its outputs,
+        and the next step is launched first where it can be."""
+        if self._pending is not None:
+            return self._step_ahead()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
@@ -465,6 +492,14 @@ class Engine:
             logits, owners, greedy = self.runner.run(inputs)
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
+        if (self.overlap and greedy is not None and len(owners) == len(inputs) and self.logits_hook is None
+                and all(c.decode for c in plan.chunks) and all(lv.request.params.greedy for lv in lives)):
+            fetch = self.runner.decoder.fetch(greedy)
+            positions = [i.chunk.start for i in inputs]
+            for lane, live in enumerate(lives):
+                live.ahead = (lane, positions[lane])
+            self._pending = _Pending(lives, positions, fetch)
+            return self._step_ahead()
         # From here on a failure belongs to one request: it ends with an error, the rest go on.
         failed: dict[int, str] = {}
         if self.logits_hook is not None:
@@ -495,16 +530,73 @@ class Engine:
             if j in failed:
                 outputs.append(self._finish(live, FinishReason.ERROR, error=failed[j]))
                 continue
-            try:
-                outputs.append(self._apply(live, picked[j]))
-            except Exception as exc:  # detokenizer or bookkeeping: this request only
-                if live.request.request_id not in self._live:
-                    raise  # it failed while ending: the engine's own state is in doubt
-                log.exception("request %s failed in its step", live.request.request_id)
-                outputs.append(self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}"))
+            outputs.append(self._apply_safely(live, picked[j], self.pool.kv_len(live.row)))
         return outputs
 
-    def _apply(self, live: _Live, picked: tuple[int, bool]) -> RequestOutput:
+    def _apply_safely(self, live: _Live, picked: tuple[int, bool], kv_len: int) -> RequestOutput:
+        try:
+            return self._apply(live, picked, kv_len)
+        except Exception as exc:  # detokenizer or bookkeeping: this request only
+            if live.request.request_id not in self._live:
+                raise  # it failed while ending: the engine's own state is in doubt
+            log.exception("request %s failed in its step", live.request.request_id)
+            return self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}")
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch the next static decode step, if the next step is one, then apply the pending
+        one while the device runs it. The next step feeds each row the token the pending step
+        produces (read on the device); a row the pending step finishes by length is left out (the
+        host knows it in advance), one it finishes otherwise is undone when it ends (`_finish`)."""
+        prev, self._pending = self._pending, None
+        chained, failure = [], None
+        running = self.scheduler.decoding() if self.logits_hook is None else None
+        still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request.request_id) is lv]
+        if running is not None and set(running) == {lv.request.request_id for _, lv in still} and all(
+                lv.request.params.greedy for _, lv in still):
+            for lane, live in still:
+                p = prev.positions[lane]
+                if len(live.output_ids) + 1 < live.request.params.max_tokens and p + 2 < live.max_len:
+                    chained.append((lane, live))
+        if chained:
+            inputs = []
+            for _, live in chained:
+                start = self.pool.kv_len(live.row)
+                inputs.append(RunnerInput(ForwardChunk(live.row, 1, start, start, True), [0], True))
+            self.stats["steps"] += 1
+            self.stats["decode_tokens"] += len(inputs)
+            try:
+                _, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained])
+                fetch = self.runner.decoder.fetch(greedy)
+            except Exception as exc:  # the forward failed: its rows end once the pending step is applied
+                failure = f"forward failed: {exc}"
+            else:
+                positions = [i.chunk.start for i in inputs]
+                for lane, (_, live) in enumerate(chained):
+                    live.ahead = (lane, positions[lane])
+                self._pending = _Pending([lv for _, lv in chained], positions, fetch)
+        outputs = self._apply_pending(prev)
+        if failure is not None:
+            outputs += [self._finish(lv, FinishReason.ERROR, error=failure) for _, lv in chained
+                        if self._live.get(lv.request.request_id) is lv]
+        if self._pending is not None and not any(self._live.get(lv.request.request_id) is lv
+                                                 for lv in self._pending.lives):
+            self._pending = None  # every row it fed ended (and was undone): nothing to apply
+        return outputs
+
+    def _apply_pending(self, prev: _Pending) -> list[RequestOutput]:
+        for lane, live in enumerate(prev.lives):
+            if live.ahead == (lane, prev.positions[lane]):
+                live.ahead = None  # this step is being applied: nothing to undo any more
+        lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request.request_id) is lv]
+        try:
+            tokens, finite = prev.fetch.result()
+        except Exception as exc:
+            return [self._finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lives]
+        return [self._apply_safely(lv, (tokens[lane], finite[lane]), prev.positions[lane] + 1)
+                for lane, lv in lives]
+
+    def _apply(self, live: _Live, picked: tuple[int, bool], kv_len: int) -> RequestOutput:
+        """The token sampled after the step in which the row reached `kv_len` positions."""
         params = live.request.params
         token, finite = picked
         if not finite:
@@ -517,10 +609,7 @@ class Engine:
             delta, stopped = live.detok.add(token)
             if stopped:
                 reason, live.stop_string_hit = FinishReason.STOP, True
-        if reason is None and (
-            len(live.output_ids) >= params.max_tokens
-            or self.pool.kv_len(live.row) + 1 >= live.max_len
-        ):
+        if reason is None and (len(live.output_ids) >= params.max_tokens or kv_len + 1 >= live.max_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             return self._finish(live, reason, last_token=token, delta=delta)
@@ -535,6 +624,10 @@ class Engine:
     def _finish(self, live: _Live, reason: FinishReason, last_token=None, delta="", error=None) -> RequestOutput:
         """The one place a request's lifetime ends."""
         rid = live.request.request_id
+        if live.ahead is not None:  # a step launched ahead fed the row one token past its end
+            lane, pos = live.ahead
+            live.ahead = None
+            self.pool.undo_decode(live.row, pos, self.runner.decoder.evicted_at(lane))
         self.scheduler.remove(rid)
         del self._live[rid]
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)

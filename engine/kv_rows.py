@@ -328,6 +328,24 @@ class RowPool:
             slots = [ring_slot(p, self.sink, self.window) for p in positions]
             self._ring_pos_np[rows, slots] = positions
 
+    def undo_decode(self, row: int, p: int, evicted: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Undo the row's last one-token forward (position `p`), which a step launched ahead of
+        the host computed for a row that had finished one step earlier: the row holds [0, p)
+        again. `evicted`: per ring layer, the (k, v) [Hkv, D] its store overwrote."""
+        state = self._rows[row]
+        assert state.kv_len == p + 1 and state.staging is None
+        state.kv_len = p
+        if not self.ring_layers:
+            return
+        slot = ring_slot(p, self.sink, self.window)
+        old = p - self.window  # the slot's previous position: the oldest of the window, if any
+        self._ring_pos_np[row, slot] = old if old >= self.sink else -1
+        dst = self.ring_base(row) + slot
+        for i in self.ring_layers:
+            k, v = evicted[i]
+            self.k[i][dst] = k
+            self.v[i][dst] = v
+
     # ---- accounting ----------------------------------------------------------------------------
     def resident_kv_bytes(self, row: int) -> dict[str, int]:
         """Bytes the row holds: paged (exact layers), ring (bounded layers), staging (transient)."""

@@ -32,10 +32,11 @@ class RunnerInput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
-                 capture: bool = False, fused: bool = True) -> None:
+                 capture: bool = False, fused: bool = True, undoable: bool = False) -> None:
         """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
-        of decode_graph.py, captured as CUDA graphs when `capture`. `fused`: the engine's own
-        layer forward (fused_forward.py) where the model allows it, else the stock one."""
+        of decode_graph.py, captured as CUDA graphs when `capture`; `undoable`: their stores can
+        be undone (steps launched ahead of the host). `fused`: the engine's own layer forward
+        (fused_forward.py) where the model allows it, else the stock one."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -48,16 +49,19 @@ class ModelRunner:
             self.small_linears = substitute_linears(model)
         self.decoder = None
         if static_decode:
-            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture)
+            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable)
 
     def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
         return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)
 
-    def run(self, inputs: list[RunnerInput]) -> StepLogits:
+    def run(self, inputs: list[RunnerInput], sources: list[int] | None = None) -> StepLogits:
         """Runs the step: the logits of the rows that want them, whose inputs they belong to, and
-        (static decode steps) their greedy tokens, computed inside the step's graph."""
+        (static decode steps) their greedy tokens, computed inside the step's graph. `sources`
+        (a static decode step only): per input, the lane of the previous static step whose
+        greedy token it feeds, read on the device, or -1 (see `GraphDecoder.run`)."""
         if self.decoder is not None and self.decoder.accepts(inputs):
-            return self.decoder.run(inputs)
+            return self.decoder.run(inputs, sources)
+        assert sources is None, "tokens read on the device need the static decode step"
         step = StepAttention(self.pool, [i.chunk for i in inputs])
         by_chunk = {id(i.chunk): (n, i) for n, i in enumerate(inputs)}
         ids: list[int] = []

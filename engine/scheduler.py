@@ -86,6 +86,15 @@ class Scheduler:
     def is_waiting(self, request_id: str) -> bool:
         return any(r.request_id == request_id for r in self.waiting)
 
+    def decoding(self) -> list[str] | None:
+        """The running requests, when none waits, every one decodes and all fit one step: what
+        `schedule` would give one token each (None otherwise). Asks; changes nothing."""
+        if self.waiting or len(self.running) > min(self.max_seqs, self.token_budget):
+            return None
+        if not all(r.decoding for r in self.running):
+            return None
+        return [r.request_id for r in self.running]
+
     def schedule(self) -> SchedulerOutput:
         budget, seqs = self.token_budget, self.max_seqs
         chunks: list[ScheduledChunk] = []

@@ -37,17 +37,23 @@ def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
 
 
 def reference(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
-              block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None) -> torch.Tensor:
+              block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None,
+              evicted=None) -> torch.Tensor:
     """q [B, H, D]; stores [slots, Hkv, D]; rows, pos [B]. Paged when `block_table` is given, else
     `ring` = (sink, window) with k_new / v_new [B, Hkv, D]. Returns [B, H, D] in q's dtype.
     `store_slot` [B]: k_new / v_new are also written there (paged: the new token's own slot,
-    before attending; ring: the slot it takes, after attending)."""
+    before attending; ring: the slot it takes, after attending). `evicted` (ring only): a pair of
+    [>= B, Hkv, D] tensors that receive what the ring slots held before the store, so the store
+    can be undone."""
     if store_slot is not None and block_table is not None:
         k_store.index_copy_(0, store_slot, k_new)
         v_store.index_copy_(0, store_slot, v_new)
     out = _reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                      block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new)
     if store_slot is not None and block_table is None:
+        if evicted is not None:
+            evicted[0][: len(store_slot)] = k_store[store_slot]
+            evicted[1][: len(store_slot)] = v_store[store_slot]
         k_store.index_copy_(0, store_slot, k_new)
         v_store.index_copy_(0, store_slot, v_new)
     return out
@@ -99,13 +105,14 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(
         Q, K, V, Opart, Mpart, Lpart, BlockTable, Rows, Pos,
-        Out, Knew, Vnew, Slots,
+        Out, Knew, Vnew, Slots, Ek, Ev,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
-        stride_ob, stride_oh, stride_kb, stride_knh, stride_vb, stride_vnh,
+        stride_ob, stride_oh, stride_kb, stride_knh, stride_vb, stride_vnh, stride_eb, stride_eh,
         scale, softcap, attn_window, sink, ring_window,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
         BLOCK: tl.constexpr, NEW_APART: tl.constexpr, EXTRA: tl.constexpr, STORE: tl.constexpr,
+        EVICT: tl.constexpr,
     ):
         """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
         the group. With one split (S == 1) the program finishes the job the merge kernel would:
@@ -190,6 +197,10 @@ if triton is not None:
             if STORE:  # after every thread's last read of the store (the slot may hold a visible key)
                 tl.debug_barrier()
                 slot = tl.load(Slots + b)
+                if EVICT:  # keep what the slot held, so the store can be undone
+                    tl.store(Ek + b * stride_eb + kh * stride_eh + d, tl.load(K + slot * stride_ks + kh * stride_kh + d))
+                    tl.store(Ev + b * stride_eb + kh * stride_eh + d, tl.load(V + slot * stride_ks + kh * stride_kh + d))
+                    tl.debug_barrier()
                 tl.store(K + slot * stride_ks + kh * stride_kh + d, tl.load(Knew + b * stride_kb + kh * stride_knh + d))
                 tl.store(V + slot * stride_ks + kh * stride_kh + d, tl.load(Vnew + b * stride_vb + kh * stride_vnh + d))
         else:
@@ -201,11 +212,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        Out, Opart, Mpart, Lpart, Q, Knew, Vnew, Kstore, Vstore, Slots,
+        Out, Opart, Mpart, Lpart, Q, Knew, Vnew, Kstore, Vstore, Slots, Ek, Ev,
         stride_ob, stride_oh, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        stride_ss, stride_sh, scale, softcap, H, G,
+        stride_ss, stride_sh, stride_eb, stride_eh, scale, softcap, H, G,
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
-        STORE: tl.constexpr,
+        STORE: tl.constexpr, EVICT: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -237,6 +248,10 @@ if triton is not None:
             if h % G == 0:
                 slot = tl.load(Slots + b)
                 kv = h // G
+                if EVICT:  # keep what the slot held, so the store can be undone
+                    tl.store(Ek + b * stride_eb + kv * stride_eh + d, tl.load(Kstore + slot * stride_ss + kv * stride_sh + d))
+                    tl.store(Ev + b * stride_eb + kv * stride_eh + d, tl.load(Vstore + slot * stride_ss + kv * stride_sh + d))
+                    tl.debug_barrier()
                 tl.store(Kstore + slot * stride_ss + kv * stride_sh + d, tl.load(Knew + b * stride_kb + kv * stride_kh + d))
                 tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
 
@@ -264,19 +279,21 @@ def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
 
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
-                     block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, out=None,
-                     splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
+                     block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, evicted=None,
+                     out=None, splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
     The launch settings default to `launch_for`'s.
     With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
     one split, the partial kernel writes it after its own reads and no merge runs), so a paged
     layer's new token is attended from k_new / v_new (as a ring layer's is) and no separate store
     runs. `splits` (at most; a ring takes no more than its blocks), `block` (keys per
-    iteration), `warps` and `stages` set the partial kernel's launch."""
+    iteration), `warps` and `stages` set the partial kernel's launch. `evicted` (ring layers with
+    `store_slot`): a pair of [>= B, Hkv, D] tensors; the store first copies there what each slot
+    held (a step run ahead of the host's verdict undoes its store with them)."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
-                         store_slot=store_slot)
+                         store_slot=store_slot, evicted=evicted)
     B, H, D = q.shape
     hkv = k_store.shape[1]
     G = H // hkv
@@ -297,6 +314,9 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     vn = v_new if extra else q
     store = store_slot is not None
     slots = store_slot if store else rows
+    evict = evicted is not None and store and not paged
+    ek, ev = evicted if evict else (q, q)
+    assert not evict or (ek.stride() == ev.stride() and ek.stride(2) == 1)
     parts = (B, H, S) if S > 1 else (1, 1, 1)  # one split: no partials, no merge
     opart = torch.empty((*parts, D), dtype=torch.float32, device=q.device)
     mpart = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -304,21 +324,21 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     bt = block_table if paged else rows  # any int tensor; unused for rings
     _partial_kernel[(B, hkv, S)](
         q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
-        out, kn, vn, slots,
+        out, kn, vn, slots, ek, ev,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
         out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
+        ek.stride(0), ek.stride(1), scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
-        NEW_APART=new_apart, EXTRA=extra, STORE=store, num_warps=warps, num_stages=stages,
+        NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, num_warps=warps, num_stages=stages,
     )
     if S == 1:
         return out
     _combine_kernel[(B, H)](
-        out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots,
+        out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots, ek, ev,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        k_store.stride(0), k_store.stride(1), scale, softcap or 0.0, H, G,
+        k_store.stride(0), k_store.stride(1), ek.stride(0), ek.stride(1), scale, softcap or 0.0, H, G,
         D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None, STORE=store,
-        num_warps=4,
+        EVICT=evict, num_warps=4,
     )
     return out

@@ -93,9 +93,10 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), launch
 
 
-def check_decode_attention_store(layout: str, dtype) -> tuple[float, float]:
+def check_decode_attention_store(layout: str, dtype, launch: dict | None = None) -> tuple[float, float]:
     """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
-    it) against the reference: (output rel err, max |store diff|)."""
+    it; a ring also keeps what it overwrote in `evicted`) against the reference: (output rel
+    err, max |store or evicted diff|)."""
     from engine.kernels.decode_attention import decode_attention, reference
     from engine.kv_policy import ring_slot
 
@@ -123,17 +124,29 @@ def check_decode_attention_store(layout: str, dtype) -> tuple[float, float]:
     ks = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
     vs = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
     rk, rv = ks.clone(), vs.clone()
-    ref = reference(q, rk, rv, rows, pos, store_slot=slot, **kw).double()
-    out = decode_attention(q, ks, vs, rows, pos, store_slot=slot, **kw).double()
+    evicted = ref_evicted = None
+    if not layout.startswith("paged"):
+        evicted = (torch.full((B + 3, hkv, D), 7.0, device=device, dtype=dtype),
+                   torch.full((B + 3, hkv, D), 7.0, device=device, dtype=dtype))
+        ref_evicted = (evicted[0].clone(), evicted[1].clone())
+        held = (ks[slot].clone(), vs[slot].clone())  # what the slots hold before the store
+    ref = reference(q, rk, rv, rows, pos, store_slot=slot, evicted=ref_evicted, **kw).double()
+    out = decode_attention(q, ks, vs, rows, pos, store_slot=slot, evicted=evicted, **(launch or {}), **kw).double()
     err = ((out - ref).norm() / ref.norm()).item()
-    return err, max((ks - rk).abs().max().item(), (vs - rv).abs().max().item())
+    diffs = [(ks - rk).abs().max().item(), (vs - rv).abs().max().item()]
+    if evicted is not None:
+        assert torch.equal(ref_evicted[0][:B], held[0]) and torch.equal(ref_evicted[1][:B], held[1])
+        diffs += [(evicted[0] - ref_evicted[0]).abs().max().item(), (evicted[1] - ref_evicted[1]).abs().max().item()]
+    return err, max(diffs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["paged", "paged-window", "ring"])
-def test_decode_attention_kernel_stores_the_new_token(layout, dtype):
-    err, store_diff = check_decode_attention_store(layout, dtype)
-    print(f"{layout} {dtype} with store: rel err {err:.1e}, store diff {store_diff}")
+@pytest.mark.parametrize("launch", [{}, dict(splits=1, block=32), dict(splits=64, block=16)],
+                         ids=["default", "one-split", "merged"])
+def test_decode_attention_kernel_stores_the_new_token(layout, dtype, launch):
+    err, store_diff = check_decode_attention_store(layout, dtype, launch)
+    print(f"{layout} {dtype} {launch} with store: rel err {err:.1e}, store diff {store_diff}")
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5) and store_diff == 0
 
 
@@ -332,8 +345,9 @@ def test_cuda_swapped_and_rebuilt_rows_come_back_exactly(swap_bytes):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_layer_kernels_match_their_references(dtype):
-    """add_rmsnorm, qk_norm_rope and gelu_mul (Gemma-3 4B widths) against their torch versions,
-    which equal the stock layer ops (tests/engine/test_fused_forward.py)."""
+    """add_rmsnorm, qk_norm_rope (with tables, and with the angles computed in the kernel) and
+    gelu_mul (Gemma-3 4B widths) against their torch versions, which equal the stock layer ops
+    (tests/engine/test_fused_forward.py)."""
     from engine.kernels import fused_ops as ops
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -358,10 +372,17 @@ def test_fused_layer_kernels_match_their_references(dtype):
         wq, wk = rnd(D, scale=0.3), rnd(D, scale=0.3)
         want_qkv = ops.qk_norm_rope_ref(qkv, wq, wk, cos, sin, H, Hkv, eps)
         got_qkv = ops.qk_norm_rope(qkv.clone(), wq, wk, cos, sin, H, Hkv, eps)
+        # the angles computed in the kernel: the stock tables' values, bit for bit
+        ipos = pos.long()
+        tables = ops.rope_tables(ipos, inv * 0.125, 0.75, dtype)
+        want_at = ops.qk_norm_rope_ref(qkv, wq, wk, *tables, H, Hkv, eps)
+        got_at = ops.qk_norm_rope_at(qkv.clone(), wq, wk, ipos, inv * 0.125, 0.75, H, Hkv, eps)
+        assert all(torch.equal(a, b) for a, b in zip(got_at, ops.qk_norm_rope(qkv.clone(), wq, wk, *tables, H, Hkv, eps)))
         gu = rnd(T, 2 * inter, scale=2)
         pairs = {"add_rmsnorm h": (got[0], want[0]), "add_rmsnorm x": (got[1], want[1]),
                  "rmsnorm": (got_norm, ops.rmsnorm_ref(h, wn, eps)),
                  "q": (got_qkv[0], want_qkv[0]), "k": (got_qkv[1], want_qkv[1]), "v": (got_qkv[2], want_qkv[2]),
+                 "q at": (got_at[0], want_at[0]), "k at": (got_at[1], want_at[1]),
                  "gelu_mul": (ops.gelu_mul(gu), ops.gelu_mul_ref(gu))}
         for name, (a, b) in pairs.items():
             rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -388,6 +409,8 @@ def test_cuda_fused_forward_equals_stock_forward(policy):
                                max_rows=8, fused_layers=fused)
             engine = Engine(cfg, LoadedModel(model, None, "tiny"))
             assert (engine.runner.fused is not None) == fused
+            # the fused forward computes RoPE in its kernel (this transformers' tables matched)
+            assert not fused or engine.runner.fused.rope is not None
             recs[fused] = Recorder(engine)
             outs[fused] = run_all(engine, [Request(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts)],
                                   {"r1": 3, "r2": 9})
@@ -400,3 +423,17 @@ def test_cuda_fused_forward_equals_stock_forward(policy):
             assert outs[True] == outs[False] and diff < 1e-3
         else:
             assert prefix >= 0.9 * 48 * len(prompts)
+
+
+@pytest.mark.parametrize("policy", ["s5", "native"])
+def test_cuda_overlap_equals_plain_order(policy):
+    """Captured decode graphs launched ahead of the host (the CUDA default) against steps
+    applied in order, float32, one session (both run the same graphs): equal tokens and books,
+    and K/V to float rounding, through turns that end by a stop token one step before the host
+    knew (the extra step is undone: its ring stores put back from what the kernel kept) and
+    aborted turns. A slot undone wrongly would hold another token's K/V, off by O(1)."""
+    from tests.engine.test_overlap import check_turns_with_stops
+
+    seen = check_turns_with_stops("cuda", policy, sessions=1, stateless=0, rounds=20, atol=1e-4)
+    print(policy, seen)
+    assert seen["undone_session_rows"] >= 2 and seen["stopped_mid"] >= 1
