@@ -156,22 +156,19 @@ def main() -> None:
         for name in a.shape:
             shape = SHAPES[name]
             print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
-            print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'merged':>8} {'best':>16}  best launch")
+            print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
             for n in a.n:
                 for layout, nbytes, current, cands, make in attention_cases(shape, n, a.page, a.sink, a.window,
                                                                               dtype, dev, a.quick):
                     cur = graph_us(make(current))
-                    # the same launch merging in its last split (counters), as the decode step runs it
-                    counters = torch.zeros(n * shape["num_key_value_heads"], dtype=torch.int32, device=dev)
-                    merged = graph_us(make({**current, "counters": counters}))
                     timed = [(graph_us(make(c)), c) for c in cands]
                     best_us, best = min(timed, key=lambda t: t[0])
                     floor = nbytes / bw * 1e6
-                    print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s {merged:8.1f} "
+                    print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s "
                           f"{best_us:8.1f} {nbytes / best_us / 1e3:6.0f}GB/s  {best}")
                     results["attention"].append(dict(
                         shape=name, layout=layout, n=n, bytes=nbytes, floor_us=floor, current=current,
-                        current_us=cur, merged_us=merged, best=best, best_us=best_us,
+                        current_us=cur, best=best, best_us=best_us,
                         all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
             if a.rows:
                 print(f"\n{name} projections (us; GB/s of weight read)")

@@ -48,11 +48,10 @@ class DecodeBatch:
     IDS, POS, ROWS, PAGED_SLOT, RING_SLOT, SRC = range(6)
 
     def __init__(self, pool: RowPool, size: int, table: torch.Tensor, last: torch.Tensor,
-                 evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None, counters: torch.Tensor) -> None:
+                 evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         self.pool = pool
         self.size = size
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
-        self.counters = counters  # zeroed int32 per (lane, kv head): the attention's in-kernel merge
         self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
         self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote
         dev = pool.device
@@ -108,13 +107,12 @@ class DecodeBatch:
         if lay.paged:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
-                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, counters=self.counters)
+                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot)
         else:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(pool.sink, pool.window),
                                    k_new=k_new, v_new=v_new, store_slot=self.ring_slot,
-                                   evicted=self.evicted[layer] if self.evicted is not None else None,
-                                   counters=self.counters)
+                                   evicted=self.evicted[layer] if self.evicted is not None else None)
         return out.unsqueeze(0)
 
 
@@ -161,10 +159,7 @@ class GraphDecoder:
         self._fetch_np = [h.numpy() for h in self._fetch_host]
         self._fetch_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._fetch_turn = 0
-        kv_heads = max(t.shape[1] for t in pool.k)
-        self.counters = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=dev)
-        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted, self.counters)
-                        for b in buckets_upto(max_batch)}
+        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted) for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per graph: (logits, greedy)

@@ -11,8 +11,7 @@ Two key layouts, both read in place from the RowPool (no gather, no padding to t
 The CUDA version is a split-K ("flash decoding") Triton kernel: program (row, kv head, split)
 walks its share of the row's keys for all query heads of the group and writes a partial
 (max, sum, unnormalised output); a second kernel merges the splits (and the ring's new token).
-With one split per (row, kv head) the first kernel finishes alone, and with a few splits and a
-counter per (row, kv head) the last split to finish merges them: one launch per layer either way.
+With one split per (row, kv head) the first kernel finishes alone: one launch per layer.
 `reference` computes the same function with torch ops; it is the oracle of the kernel's test and
 the path where Triton is missing.
 """
@@ -106,20 +105,19 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(
         Q, K, V, Opart, Mpart, Lpart, BlockTable, Rows, Pos,
-        Out, Knew, Vnew, Slots, Ek, Ev, Count,
+        Out, Knew, Vnew, Slots, Ek, Ev,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
         stride_ob, stride_oh, stride_kb, stride_knh, stride_vb, stride_vnh, stride_eb, stride_eh,
         scale, softcap, attn_window, sink, ring_window,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
         BLOCK: tl.constexpr, NEW_APART: tl.constexpr, EXTRA: tl.constexpr, STORE: tl.constexpr,
-        EVICT: tl.constexpr, MERGE: tl.constexpr, SP: tl.constexpr,
+        EVICT: tl.constexpr,
     ):
         """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
         the group. With one split (S == 1) the program finishes the job the merge kernel would:
         the new token, the normalisation, the output and the store (it alone read this row's
-        keys of this head). With MERGE, the last of the S splits to finish (a counter per (row,
-        kv head) in `Count`, reset by that program) merges them, as the merge kernel would."""
+        keys of this head)."""
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -211,53 +209,6 @@ if triton is not None:
             tl.store(Mpart + base, m_i, mask=gm)
             tl.store(Lpart + base, l_i, mask=gm)
             tl.store(Opart + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
-            if MERGE:
-                # every thread's partials are written; the release (gpu scope) publishes them, and
-                # the split that takes the last ticket acquires everyone's
-                tl.debug_barrier()
-                counter = Count + b * tl.num_programs(1) + kh
-                ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if ticket == S - 1:
-                    sidx = tl.arange(0, SP)
-                    sm = sidx < S
-                    if EXTRA:
-                        kn = tl.load(Knew + b * stride_kb + kh * stride_knh + d).to(tl.float32)
-                        vn = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d).to(tl.float32)
-                    for g2 in tl.static_range(G):
-                        hh = kh * G + g2
-                        pb = (b * H + hh) * S
-                        m = tl.load(Mpart + pb + sidx, mask=sm, other=-1.0e30, cache_modifier=".cg")
-                        ls = tl.load(Lpart + pb + sidx, mask=sm, other=0.0, cache_modifier=".cg")
-                        o = tl.load(Opart + (pb + sidx)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0,
-                                    cache_modifier=".cg")
-                        m_all = tl.max(m, 0)
-                        if EXTRA:
-                            qh = tl.load(Q + b * stride_qb + hh * stride_qh + d).to(tl.float32)
-                            sn = tl.sum(qh * kn, 0) * scale
-                            if SOFTCAP:
-                                sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
-                            m_all = tl.maximum(m_all, sn)
-                        w = tl.exp(m - m_all)
-                        num = tl.sum(o * w[:, None], 0)
-                        den = tl.sum(ls * w, 0)
-                        if EXTRA:
-                            en = tl.exp(sn - m_all)
-                            num += en * vn
-                            den += en
-                        tl.store(Out + b * stride_ob + hh * stride_oh + d, (num / den).to(Out.dtype.element_ty))
-                    if STORE:  # every split has read the store (each took its ticket after its reads)
-                        slot = tl.load(Slots + b)
-                        if EVICT:
-                            tl.store(Ek + b * stride_eb + kh * stride_eh + d,
-                                     tl.load(K + slot * stride_ks + kh * stride_kh + d))
-                            tl.store(Ev + b * stride_eb + kh * stride_eh + d,
-                                     tl.load(V + slot * stride_ks + kh * stride_kh + d))
-                            tl.debug_barrier()
-                        tl.store(K + slot * stride_ks + kh * stride_kh + d,
-                                 tl.load(Knew + b * stride_kb + kh * stride_knh + d))
-                        tl.store(V + slot * stride_ks + kh * stride_kh + d,
-                                 tl.load(Vnew + b * stride_vb + kh * stride_vnh + d))
-                    tl.store(counter, 0)  # ready for the next launch
 
     @triton.jit
     def _combine_kernel(
@@ -305,11 +256,6 @@ if triton is not None:
                 tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
 
 
-# the most splits a launch merges in its own last split (`counters`): that program reads every
-# split's partial output, so beyond a few splits the separate merge kernel's many programs win
-MERGE_MAX = 16
-
-
 def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
     """The partial kernel's launch for `batch` rows of `kv_heads` K/V heads: splits (at most),
     keys per iteration, warps, stages. Measured on an H200 with `python -m bench.tune_kernels`
@@ -334,7 +280,7 @@ def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
                      block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, evicted=None,
-                     counters=None, out=None, splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
+                     out=None, splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
     The launch settings default to `launch_for`'s.
     With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
@@ -343,9 +289,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     runs. `splits` (at most; a ring takes no more than its blocks), `block` (keys per
     iteration), `warps` and `stages` set the partial kernel's launch. `evicted` (ring layers with
     `store_slot`): a pair of [>= B, Hkv, D] tensors; the store first copies there what each slot
-    held (a step run ahead of the host's verdict undoes its store with them). `counters`: zeroed
-    int32, at least B * Hkv, left zeroed; with them, a launch of 2 to MERGE_MAX splits merges in
-    its own last split instead of a second kernel (one launch per layer)."""
+    held (a step run ahead of the host's verdict undoes its store with them)."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
@@ -373,8 +317,6 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     evict = evicted is not None and store and not paged
     ek, ev = evicted if evict else (q, q)
     assert not evict or (ek.stride() == ev.stride() and ek.stride(2) == 1)
-    merge = counters is not None and 1 < S <= MERGE_MAX
-    assert not merge or (counters.dtype == torch.int32 and counters.numel() >= B * hkv)
     parts = (B, H, S) if S > 1 else (1, 1, 1)  # one split: no partials, no merge
     opart = torch.empty((*parts, D), dtype=torch.float32, device=q.device)
     mpart = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -382,16 +324,15 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     bt = block_table if paged else rows  # any int tensor; unused for rings
     _partial_kernel[(B, hkv, S)](
         q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
-        out, kn, vn, slots, ek, ev, counters if merge else rows,
+        out, kn, vn, slots, ek, ev,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
         out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         ek.stride(0), ek.stride(1), scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
-        NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, MERGE=merge,
-        SP=max(2, triton.next_power_of_2(S)), num_warps=warps, num_stages=stages,
+        NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, num_warps=warps, num_stages=stages,
     )
-    if S == 1 or merge:
+    if S == 1:
         return out
     _combine_kernel[(B, H)](
         out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots, ek, ev,
