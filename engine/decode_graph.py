@@ -14,8 +14,8 @@ ragged decode kernels of `kernels/decode_attention.py` straight on the pool's st
 books (kv_len, ring positions) are committed exactly as the eager path commits them.
 
 A step may also be launched before the host has seen the tokens it feeds (`run(..., sources)`):
-a lane then reads its token id on the device, from the greedy tokens the previous static step
-left in `last`. The engine does this to overlap its host work with the device (engine.py,
+a lane then reads its token id on the device, from the tokens the previous static step left in
+`last` (its greedy tokens, or the engine's sampled draws, `feed_next`). The engine does this to overlap its host work with the device (engine.py,
 `_step_ahead`). A row that turns out to have finished one step earlier must get its state back:
 with `undoable`, ring layers keep what each store overwrote (`evicted`), and `RowPool.undo_decode`
 puts it back.
@@ -216,6 +216,11 @@ class GraphDecoder:
         if done is not None:
             done.record()
         return GreedyFetch(self._fetch_np[t][: 2 * n].reshape(2, n), done)
+
+    def feed_next(self, tokens: torch.Tensor) -> None:
+        """The tokens [n] lanes 0..n-1 of the last step produced, where they are not its greedy
+        ones (sampled): a step launched next with `sources` reads these."""
+        self.last[: tokens.shape[0]].copy_(tokens)
 
     def evicted_at(self, lane: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """What the newest step's ring stores overwrote for `lane`: layer -> (k, v) [Hkv, D]."""

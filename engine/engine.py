@@ -10,8 +10,9 @@ possibly the last one (a sampled token is fed only by the next forward), so a ne
 `history[kv_len:] + new input` as one logical forward: history is never prefilled twice.
 
 Steady decoding overlaps the host with the device (`EngineConfig.overlap_steps`): while every
-running request decodes greedily, the next static decode step is launched, its tokens read on the
-device, before the host applies the step before it (`_step_ahead`). A row that the applied step
+running request decodes, the next static decode step is launched, its tokens read on the device
+(greedy picks, or each sampling row's draw), before the host applies the step before it
+(`_step_ahead`). A row that the applied step
 finishes (EOS, a stop string) was fed one token too many: `_finish` undoes that token's forward
 (`RowPool.undo_decode`), so the row is exactly what the plain order of steps leaves.
 
@@ -46,7 +47,7 @@ from engine.kv_policy import layer_layouts
 from engine.kv_rows import RowPool, RowSnapshot, SwappedRow
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, RunnerInput
-from engine.sampler import greedy_batch, greedy_host, make_generator, sample_batch
+from engine.sampler import greedy_batch, greedy_host, make_generator, sample_batch, sample_tokens
 from engine.scheduler import Scheduler, SchedRequest
 from engine.session_db import SessionDB
 from engine.types import EngineError, FinishReason, Request, RequestOutput
@@ -493,13 +494,18 @@ class Engine:
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in lives]
         if (self.overlap and greedy is not None and len(owners) == len(inputs) and self.logits_hook is None
-                and all(c.decode for c in plan.chunks) and all(lv.request.params.greedy for lv in lives)):
-            fetch = self.runner.decoder.fetch(greedy)
-            positions = [i.chunk.start for i in inputs]
-            for lane, live in enumerate(lives):
-                live.ahead = (lane, positions[lane])
-            self._pending = _Pending(lives, positions, fetch)
-            return self._step_ahead()
+                and all(c.decode for c in plan.chunks)):
+            try:
+                picks = self._picks(logits, greedy, lives)
+            except Exception:  # sampling failed: the plain path below ends those rows with the error
+                picks = None
+            if picks is not None:
+                fetch = self.runner.decoder.fetch(picks)
+                positions = [i.chunk.start for i in inputs]
+                for lane, live in enumerate(lives):
+                    live.ahead = (lane, positions[lane])
+                self._pending = _Pending(lives, positions, fetch)
+                return self._step_ahead()
         # From here on a failure belongs to one request: it ends with an error, the rest go on.
         failed: dict[int, str] = {}
         if self.logits_hook is not None:
@@ -542,17 +548,33 @@ class Engine:
             log.exception("request %s failed in its step", live.request.request_id)
             return self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}")
 
+    def _picks(self, logits: torch.Tensor, greedy: torch.Tensor, lives: list[_Live]) -> torch.Tensor:
+        """Every lane's token and finiteness [2, n], left on the device: the step's greedy tokens,
+        with each sampling row's draw (its own generator, as `sample_batch` draws) in its lane.
+        The next step launched ahead feeds these."""
+        sampled = [j for j, lv in enumerate(lives) if not lv.request.params.greedy]
+        if not sampled:
+            return greedy
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        drawn = sample_tokens(logits.index_select(0, idx), [lives[j].request.params for j in sampled],
+                              [lives[j].generator for j in sampled])
+        picks = greedy.clone()
+        picks[:, idx] = drawn
+        self.runner.decoder.feed_next(picks[0])
+        return picks
+
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch the next static decode step, if the next step is one, then apply the pending
         one while the device runs it. The next step feeds each row the token the pending step
         produces (read on the device); a row the pending step finishes by length is left out (the
-        host knows it in advance), one it finishes otherwise is undone when it ends (`_finish`)."""
+        host knows it in advance), one it finishes otherwise is undone when it ends (`_finish`).
+        A sampling row draws its next token right after the launch, on the device, so its draws
+        come in the order they would without the overlap."""
         prev, self._pending = self._pending, None
         chained, failure = [], None
         running = self.scheduler.decoding() if self.logits_hook is None else None
         still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request.request_id) is lv]
-        if running is not None and set(running) == {lv.request.request_id for _, lv in still} and all(
-                lv.request.params.greedy for _, lv in still):
+        if running is not None and set(running) == {lv.request.request_id for _, lv in still}:
             for lane, live in still:
                 p = prev.positions[lane]
                 if len(live.output_ids) + 1 < live.request.params.max_tokens and p + 2 < live.max_len:
@@ -565,11 +587,15 @@ class Engine:
             self.stats["steps"] += 1
             self.stats["decode_tokens"] += len(inputs)
             try:
-                _, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained])
-                fetch = self.runner.decoder.fetch(greedy)
+                logits, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained])
             except Exception as exc:  # the forward failed: its rows end once the pending step is applied
                 failure = f"forward failed: {exc}"
             else:
+                try:
+                    fetch = self.runner.decoder.fetch(self._picks(logits, greedy, [lv for _, lv in chained]))
+                except Exception as exc:
+                    failure = f"sampling failed: {exc}"
+            if failure is None:
                 positions = [i.chunk.start for i in inputs]
                 for lane, (_, live) in enumerate(chained):
                     live.ahead = (lane, positions[lane])

@@ -29,7 +29,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_host(greedy: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """`greedy_tokens`' result on the host: one copy, one sync."""
+    """`greedy_tokens`' (or `sample_tokens`') result on the host: one copy, one sync."""
     best, ok = greedy.tolist()
     return best, [bool(x) for x in ok]
 
@@ -43,6 +43,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator]) -> tuple[list[int], list[bool]]:
     """One token per row of `logits` [n, vocab] (temperature > 0 for every row); also whether the
     row's distribution was finite (a row with NaN/inf logits gets ok=False and must fail)."""
+    return greedy_host(sample_tokens(logits, params, generators))
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator]) -> torch.Tensor:
+    """`sample_batch` left on the device: [2, n] int64 (token, 1 where the row's distribution is
+    finite), with no host sync (each row's uniform number is drawn on the host and copied)."""
     dev = logits.device
     n, vocab = logits.shape
     x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
@@ -68,7 +75,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.tensor([float(torch.rand((), generator=g)) for g in generators], device=dev)[:, None]
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)[:, 0]
-    return tokens.tolist(), ok.tolist()
+    return torch.stack((tokens, ok.long()))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

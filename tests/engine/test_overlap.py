@@ -2,7 +2,8 @@
 row can see: the same tokens, the same finish reasons, and rows (ring positions, lengths, K/V)
 equal to an engine that applies each step before it launches the next, including
 rows of turns that ended by a stop token one step before the host knew (their extra step is
-undone), aborted turns and stateless requests mixed in. On the CPU the static decode step runs
+undone), aborted turns, sampling rows (their draws on the device, in the same order) and
+stateless requests mixed in. On the CPU the static decode step runs
 uncaptured, with the same logic as on CUDA."""
 
 import random
@@ -69,8 +70,8 @@ def drive(engine: Engine, requests: list[Request], abort_at: dict[str, int]):
 def check_turns_with_stops(device: str, policy: str, sessions: int, stateless: int, rounds: int,
                            atol: float) -> dict[str, int]:
     """Sessions converse, all in each round (so steps batch them), with stateless requests mixed
-    in; many turns end by a stop token mid-decode, and every other round one session's turn is
-    aborted. Asserts equal outputs and rows (K/V within `atol`); returns what happened."""
+    in, greedy and sampling alike; many turns end by a stop token mid-decode, and every other
+    round one session's turn is aborted. Asserts equal outputs and rows (K/V within `atol`); returns what happened."""
     plain, ahead = engines(policy, device)
     rng = random.Random(7)
     vocab = plain.geometry.vocab_size
@@ -86,11 +87,14 @@ def check_turns_with_stops(device: str, policy: str, sessions: int, stateless: i
         reqs = {e: [] for e in (plain, ahead)}
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
         budgets = [rng.randrange(4, 16) for _ in range(n)]
-        abort_at = {f"s{r}-{sessions - 1}": 3} if r % 2 else {}
+        abort_at = {f"s{r}-0": 3} if r % 2 else {}
         for e in (plain, ahead):
             for i in range(n):
-                # all but the first of several requests stop early where they can
-                params = SamplingParams(max_tokens=budgets[i], stop_token_ids=stops if i or n == 1 else ())
+                # all but the first of several requests stop early where they can; every other
+                # request samples (its own seed, some with top-k or top-p), the rest are greedy
+                sampling = {} if i % 2 == 0 else dict(temperature=0.9, seed=1000 * r + i,
+                                                      top_k=(0, 20)[r % 2], top_p=(1.0, 0.8)[(r // 2) % 2])
+                params = SamplingParams(max_tokens=budgets[i], stop_token_ids=stops if i or n == 1 else (), **sampling)
                 sid = sids[e][i] if i < sessions else None
                 reqs[e].append(Request(f"s{r}-{i}", prompts[i], params, session_id=sid))
         want, _ = drive(plain, reqs[plain], abort_at)
