@@ -29,8 +29,10 @@ case "${2:-}" in
   overlap-1b)
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --overlap on off --out "$OUT" --tag overlap
     python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
-  moe)
-    python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --out "$OUT" ;;
+  moe)  # the Gemma 4 kernels and forward against their references, then the MoE shape, fused and stock
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -k "gemma4" -s 2>&1 \
+      | tee "$OUT/cuda-tests-gemma4.log" | grep -v "^\.$"
+    python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --layers fused stock --out "$OUT" ;;
   full)
     run_tests
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --hf-static --out "$OUT"

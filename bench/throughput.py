@@ -165,7 +165,7 @@ def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = Tru
         return model, None
     free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 1 << 62
     if model.num_parameters() * dtype.itemsize > free / 3:  # no room for a second copy and the KV pool
-        return model, model  # HF and the engine take turns (fused layers are never built for these)
+        return model, model  # HF and the engine take turns (a fused forward's weights are the modules' own)
     hf = copy.deepcopy(model)
     hf.set_attn_implementation("sdpa")
     return model, hf
@@ -273,7 +273,7 @@ def main() -> None:
     ap.add_argument("--float32-policies", nargs="+", default=None,
                     help="policies for the float32 weights when int8 runs too (default: s5)")
     ap.add_argument("--layers", nargs="+", choices=["fused", "stock"], default=["fused"],
-                    help="the engine's fused Gemma 3 layer forward, the stock transformers layers, or both "
+                    help="the engine's fused Gemma 3 / Gemma 4 layer forward, the stock transformers layers, or both "
                          "(models the fused forward does not take run stock either way)")
     ap.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
                     help="steady decode steps launched ahead of the host (EngineConfig.overlap_steps; on: "

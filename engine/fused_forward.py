@@ -94,17 +94,23 @@ def unsupported(model) -> str | None:
     return None
 
 
-def build(model) -> FusedGemma3 | None:
-    why = unsupported(model)
+def build(model):
+    """The engine's own forward for this model (`FusedGemma3`, or `FusedGemma4` of
+    fused_gemma4.py), or None where it runs the stock layers."""
+    from engine import fused_gemma4  # it builds on this module's helpers
+
+    family = type(model.get_decoder()).__name__
+    why = fused_gemma4.unsupported(model) if family == "Gemma4TextModel" else unsupported(model)
     if why is not None:
         log.info("stock layer forward: %s", why)
         return None
-    return FusedGemma3(model)
+    return fused_gemma4.FusedGemma4(model) if family == "Gemma4TextModel" else FusedGemma3(model)
 
 
 def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:
     """Per layer type, the rotary embedding's (inverse frequencies, attention scaling), where its
-    tables are exactly `rope_tables` of them (checked here, on positions up to 64k); None where
+    tables are exactly `rope_tables` of them (checked here, on positions up to 64k; Gemma 4's
+    partial "proportional" RoPE is one: its unrotated pairs have frequency 0); None where
     not (a position-dependent RoPE variant, or a transformers version that computes otherwise):
     the forward then keeps the module's tables."""
     out = {}
@@ -115,7 +121,7 @@ def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Te
         scaling = getattr(rotary, f"{lt}_attention_scaling", None)
         kind = getattr(rotary, "rope_type", None)
         kind = kind.get(lt) if isinstance(kind, dict) else kind
-        if kind not in ("default", "linear") or inv is None or scaling is None:
+        if kind not in ("default", "linear", "proportional") or inv is None or scaling is None:
             return None
         inv = inv.detach().float().contiguous()
         cos, sin = rotary(probe, positions[None], lt)

@@ -391,19 +391,91 @@ def test_fused_layer_kernels_match_their_references(dtype):
     assert all(v < tol for v in worst.values()), worst
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma4_kernels_match_their_references(dtype):
+    """The Gemma 4 forms (offset-0 norms, V's scale-free norm in place and taken from K, three
+    norms of the residual stream, the layer's end) and the MoE kernels (router top-k, experts:
+    Gemma-4 26B-A4B widths, 128 experts, top 8) against their torch versions, which equal the
+    stock modules (tests/engine/test_fused_forward.py)."""
+    from engine.kernels import fused_ops as ops
+    from engine.kernels import moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, H, Hkv, D, eps = 2816, 16, 8, 256, 1e-6
+    E, K, inter = 128, 8, 704
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    worst = {}
+    gate_up, down = rnd(E, 2 * inter, N, scale=0.05), rnd(E, N, inter, scale=0.05)
+    scale = torch.rand(E, device="cuda", generator=g).to(dtype) + 0.5
+    for T in (1, 8, 64):
+        h, y = rnd(T, N, scale=3), rnd(T, N)
+        w1, w2, w3, w4 = (rnd(N, scale=0.3) + 1 for _ in range(4))
+        want = ops.add_rmsnorm_ref(h, y, w1, w2, eps, 0.0, also=(w3, w4.float()))
+        got = ops.add_rmsnorm(h.clone(), y, w1, w2, eps, 0.0, also=(w3, w4.float()))
+        pos = torch.randint(0, 100_000, (T,), device="cuda")
+        inv = 1.0 / (10_000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+        wq, wk = rnd(D, scale=0.3) + 1, rnd(D, scale=0.3) + 1
+        qkv = rnd(T, (H + 2 * Hkv) * D)
+        want_s = ops.qk_norm_rope_ref(qkv, wq, wk, *ops.rope_tables(pos, inv, 1.0, dtype), H, Hkv, eps, 0.0, True)
+        got_s = ops.qk_norm_rope_at(qkv.clone(), wq, wk, pos, inv, 1.0, H, Hkv, eps, 0.0, True)
+        inv_p = torch.cat([1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 512)),
+                           torch.zeros(192, device="cuda")])  # "proportional": a quarter rotated
+        wq2, wk2 = rnd(512, scale=0.3) + 1, rnd(512, scale=0.3) + 1
+        qk = rnd(T, (H + 2) * 512)
+        want_f = ops.qk_norm_rope_ref(qk, wq2, wk2, *ops.rope_tables(pos, inv_p, 1.0, dtype), H, 2, eps, 0.0, True,
+                                      True)
+        got_f = ops.qk_norm_rope_at(qk.clone(), wq2, wk2, pos, inv_p, 1.0, H, 2, eps, 0.0, True, True)
+        d, e = rnd(T, N), rnd(T, N, scale=0.1)
+        scalar = torch.tensor([0.8], device="cuda").to(dtype)
+        want_out = ops.layer_out_ref(h, d, e, w1, w2, w3, scalar, w4, eps)
+        got_out = ops.layer_out(h.clone(), d, e, w1, w2, w3, scalar, w4, eps)
+        want_dense = ops.layer_out_ref(h, d, None, None, None, w3, scalar, w4, eps)
+        got_dense = ops.layer_out(h.clone(), d, None, None, None, w3, scalar, w4, eps)
+        logits = torch.randn(T, E, device="cuda", generator=g) * 2  # float32: bf16 logits tie at times
+        want_w, want_i = moe.router_topk_ref(logits, K, scale)
+        got_w, got_i = moe.router_topk(logits, K, scale)
+        assert torch.equal(got_i.long().sort(1).values, want_i.sort(1).values)  # no ties in these draws
+        order = got_i.long().argsort(1), want_i.argsort(1)
+        x = rnd(T, N)
+        pairs = {"add_rmsnorm h": (got[0], want[0]), **{f"add_rmsnorm x{i}": (got[i], want[i]) for i in (1, 2, 3)},
+                 **{f"sliding {n}": (a, b) for n, a, b in zip("qkv", got_s, want_s)},
+                 **{f"full {n}": (a, b) for n, a, b in zip("qkv", got_f, want_f)},
+                 "layer_out h": (got_out[0], want_out[0]), "layer_out x": (got_out[1], want_out[1]),
+                 "dense layer_out h": (got_dense[0], want_dense[0]),
+                 "router weights": (got_w.gather(1, order[0]), want_w.gather(1, order[1])),
+                 "experts": (moe.experts(x, got_i, got_w, gate_up, down), moe.experts_ref(x, want_i, want_w, gate_up,
+                                                                                          down))}
+        for name, (a, b) in pairs.items():
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            worst[name] = max(worst.get(name, 0.0), rel)
+    print(f"{dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert all(v < tol for v in worst.values()), worst
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 @pytest.mark.parametrize("policy", ["s5", "native"])
-def test_cuda_fused_forward_equals_stock_forward(policy):
+def test_cuda_fused_forward_equals_stock_forward(policy, family):
     """The engine on its fused layer forward (graphs) against the stock layers (graphs): float32
-    logits agree to float rounding; bf16 greedy tokens agree up to rounding-driven divergence."""
+    logits agree to float rounding; bf16 greedy tokens agree up to rounding-driven divergence.
+    Gemma 4: a mixture of experts on the MoE kernels (decode steps and prefill chunks up to 64
+    tokens)."""
     from tests.engine.test_resume import Recorder
+    from tests.helpers import tiny_gemma4
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 130, 77)]
     for dtype in (torch.float32, torch.bfloat16):
         outs, recs = {}, {}
         for fused in (True, False):
-            model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
-                                      num_attention_heads=4, num_key_value_heads=1).cuda()
+            if family == "gemma3":
+                model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
+                                          num_attention_heads=4, num_key_value_heads=1).cuda()
+            else:
+                model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256).to("cuda", dtype)
             cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], kv_policy=policy,
                                kv_sink=2, kv_window=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 24,
                                max_rows=8, fused_layers=fused)
@@ -418,7 +490,7 @@ def test_cuda_fused_forward_equals_stock_forward(policy):
         prefix = equal_prefix((outs[True][r], outs[False][r]) for r in outs[True])
         common = recs[True].logits.keys() & recs[False].logits.keys()
         diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
-        print(f"{policy} {dtype}: {prefix}/{48 * len(prompts)} tokens equal; max |logit diff| {diff:.2e}")
+        print(f"{family} {policy} {dtype}: {prefix}/{48 * len(prompts)} tokens equal; max |logit diff| {diff:.2e}")
         if dtype == torch.float32:
             assert outs[True] == outs[False] and diff < 1e-3
         else:

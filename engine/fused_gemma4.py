@@ -1,0 +1,224 @@
+"""The engine's own forward for Gemma 4 text decoders (dense or with a mixture of experts): the
+stock layer's math with its products and elementwise steps fused, as fused_forward.py does for
+Gemma 3.
+
+A stock Gemma 4 layer with experts runs some 150 kernels at a decode step: eleven RMSNorms (four
+of them on the residual stream after attention or the MLPs), RoPE on queries and keys, the
+router's softmax and top-k, and the experts' sort, gather, grouped products and scatter. Per
+layer this forward runs:
+
+  x -> [Q|K|V] = x Wqkv^T (full layers with values equal to keys: [Q|K]) -> qk_norm_rope (Q and
+  K norms and RoPE, V's scale-free norm) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
+  post-attention norm, and the three inputs of what follows: the dense MLP's, the experts' and
+  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T) and, beside it, router
+  logits -> router_topk -> experts (kernels/moe.py) -> layer_out (the MLP and experts' post-norms,
+  their sum, the post-MLP norm, the residual add, the layer scalar and the next layer's input
+  norm)
+
+Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts module (its
+grouped products have whole tiles of tokens per expert there). Models with per-layer input
+embeddings or layers that share another layer's K/V keep the stock forward (`unsupported` says
+why).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import hf_adapter
+from engine.fused_forward import _fuse_rows, _plain_linear, _rope_angles
+from engine.kernels import moe
+from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
+from engine.kernels.small_linear import gemv, plan_gemv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Experts:
+    router: torch.Tensor  # [E, hidden]
+    router_in: torch.Tensor  # [hidden] float32: the router's input scale times hidden ** -0.5
+    per_expert_scale: torch.Tensor  # [E]
+    gate_up: torch.Tensor  # [E, 2 I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    top_k: int
+    pre_norm: torch.Tensor  # the experts' input norm
+    post_norm: torch.Tensor  # their output's
+    post_mlp: torch.Tensor  # the dense MLP output's
+    module: nn.Module  # the model's own experts module (prefill chunks)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    layer_type: str
+    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden], or [(H + Hkv) D, hidden] with v_from_k
+    wo: torch.Tensor
+    wgu: torch.Tensor  # [2 I, hidden]
+    wd: torch.Tensor
+    in_norm: torch.Tensor
+    post_attn: torch.Tensor
+    pre_ff: torch.Tensor
+    post_ff: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    scalar: torch.Tensor  # [1]
+    heads: int
+    kv_heads: int
+    v_from_k: bool
+    scaling: float
+    experts: _Experts | None
+
+
+def _norm_with(m, scale: bool) -> bool:
+    return type(m).__name__ == "Gemma4RMSNorm" and bool(getattr(m, "with_scale", True)) == scale
+
+
+def unsupported(model) -> str | None:
+    """Why `FusedGemma4` cannot run this model (None: it can)."""
+    base = model.get_decoder()
+    cfg = base.config
+    if type(base).__name__ != "Gemma4TextModel":
+        return f"{type(base).__name__} is not a Gemma 4 text decoder"
+    if getattr(cfg, "hidden_size_per_layer_input", 0):
+        return "per-layer input embeddings"
+    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r}"
+    if not hasattr(base, "rotary_emb") or "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return "rotary embedding without per-layer-type tables"
+    dtype = base.embed_tokens.weight.dtype
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "is_kv_shared_layer", False):
+            return "layers that share another layer's K/V"
+        linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        linears += [attn.v_proj] if attn.v_proj is not None else []
+        if not all(_plain_linear(m) and m.weight.dtype == dtype for m in linears):
+            return "projections are not plain bias-free linears of the model's dtype (quantized?)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+        if getattr(layer, "enable_moe_block", False):
+            norms += [layer.post_feedforward_layernorm_1, layer.post_feedforward_layernorm_2,
+                      layer.pre_feedforward_layernorm_2]
+            ex, router = layer.experts, layer.router
+            if not (_plain_linear(router.proj) and _norm_with(router.norm, False)
+                    and isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)
+                    and ex.gate_up_proj.dtype == dtype and ex.gate_up_proj.dim() == 3):
+                return "experts or router of another form (quantized?)"
+        if not (all(_norm_with(n, True) for n in norms) and _norm_with(attn.v_norm, False)):
+            return "norms are not Gemma4RMSNorm"
+        if not isinstance(getattr(layer, "layer_scalar", None), torch.Tensor):
+            return "no layer scalar"
+    return None
+
+
+def _experts(layer) -> _Experts | None:
+    if not getattr(layer, "enable_moe_block", False):
+        return None
+    r, ex = layer.router, layer.experts
+    return _Experts(
+        router=r.proj.weight, router_in=(r.scale.detach().float() * float(r.scalar_root_size)).contiguous(),
+        per_expert_scale=r.per_expert_scale.detach(), gate_up=ex.gate_up_proj.detach(), down=ex.down_proj.detach(),
+        top_k=int(r.config.top_k_experts), pre_norm=layer.pre_feedforward_layernorm_2.weight,
+        post_norm=layer.post_feedforward_layernorm_2.weight, post_mlp=layer.post_feedforward_layernorm_1.weight,
+        module=ex)
+
+
+class FusedGemma4:
+    @torch.no_grad()
+    def __init__(self, model) -> None:
+        self.model = model
+        base = model.get_decoder()
+        cfg = base.config
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.eps = float(cfg.rms_norm_eps)
+        self.final_norm = base.norm.weight
+        self.layer_types = sorted(set(cfg.layer_types))
+        dtype = base.embed_tokens.weight.dtype
+        with torch.inference_mode():
+            self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
+            self.layers.append(_Layer(
+                index=i, layer_type=cfg.layer_types[i], wqkv=_fuse_rows(qkv), wo=attn.o_proj.weight,
+                wgu=_fuse_rows([mlp.gate_proj, mlp.up_proj]), wd=mlp.down_proj.weight,
+                in_norm=layer.input_layernorm.weight, post_attn=layer.post_attention_layernorm.weight,
+                pre_ff=layer.pre_feedforward_layernorm.weight, post_ff=layer.post_feedforward_layernorm.weight,
+                q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, scalar=layer.layer_scalar,
+                heads=attn.q_proj.out_features // attn.head_dim, kv_heads=attn.k_proj.out_features // attn.head_dim,
+                v_from_k=attn.v_proj is None, scaling=float(attn.scaling), experts=_experts(layer),
+            ))
+        # per projection and weight shape (full and sliding layers differ), the row counts where
+        # one gemv kernel reads the weight faster than the library's product
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for L in self.layers:
+            for name in ("wqkv", "wo", "wgu", "wd"):
+                w = getattr(L, name)
+                groups.setdefault((name, tuple(w.shape)), []).append(w)
+            if L.experts is not None:
+                groups.setdefault(("router", tuple(L.experts.router.shape)), []).append(L.experts.router)
+        self.plans = {key: plan_gemv(ws) for key, ws in groups.items()}
+        if any(self.plans.values()):
+            log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg)
+
+    def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        logits = self._project(x_router, X.router, "router")
+        weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale)
+        if moe.use_kernels(x):
+            return moe.experts(x, chosen, weights, X.gate_up, X.down)
+        return X.module(x, chosen.long(), weights)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
+                logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Same contract as `hf_adapter.forward`: logits [n, vocab] (float32) of the tokens at
+        `logits_index` (None: all), attention through `step`."""
+        T = input_ids.shape[0]
+        h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
+        tables = {}
+        if self.rope is None:  # the module's tables (else the kernel computes their entries)
+            for lt in self.layer_types:
+                cos, sin = self.rotary(h, positions[None], lt)
+                tables[lt] = (cos[0], sin[0])  # [T, D]
+        eps = self.eps
+        x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0)
+        for n, L in enumerate(self.layers):
+            qkv = self._project(x, L.wqkv, "wqkv")
+            if self.rope is None:
+                cos, sin = tables[L.layer_type]
+                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps, 0.0, True,
+                                       L.v_from_k)
+            else:
+                inv_freq, scaling = self.rope[L.layer_type]
+                q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
+                                          L.kv_heads, eps, 0.0, True, L.v_from_k)
+            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                            L.scaling, None)  # [1, T, H, D]
+            o = self._project(a.reshape(T, -1), L.wo, "wo")
+            X = L.experts
+            if X is None:
+                h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0)
+            else:
+                h, x, x_experts, x_router = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0,
+                                                        also=(X.pre_norm, X.router_in))
+            d = self._project(gelu_mul(self._project(x, L.wgu, "wgu")), L.wd, "wd")
+            e = None if X is None else self._experts(X, x_router, x_experts)
+            nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
+            h, x = layer_out(h, d, e, X.post_mlp if X else None, X.post_norm if X else None, L.post_ff, L.scalar,
+                             nxt, eps)
+        if logits_index is not None:
+            x = x[logits_index]
+        return hf_adapter.output_logits(self.model, x)
