@@ -20,6 +20,11 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# The CUDA kernels' logic on the CPU, in Triton's interpreter (the CPU torch build has no Triton).
+test-kernels: install
+	$(BIN)/pip install -q "triton==3.9.0"
+	$(BIN)/python -m pytest -q -m interpret -s tests/kernels
+
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python -m bench.throughput
@@ -28,4 +33,4 @@ recall: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python -m bench.recall
 
-.PHONY: install serve test bench recall
+.PHONY: install serve test test-kernels bench recall

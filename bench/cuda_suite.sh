@@ -32,6 +32,7 @@ case "${2:-}" in
   moe)  # the Gemma 4 kernels and forward against their references, then the MoE shape, fused and stock
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -k "gemma4" -s 2>&1 \
       | tee "$OUT/cuda-tests-gemma4.log" | grep -v "^\.$"
+    python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --out "$OUT" --tag moe 2>&1 | tee "$OUT/tune-moe.log"
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --layers fused stock --out "$OUT" ;;
   full)
     run_tests

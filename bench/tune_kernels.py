@@ -1,9 +1,11 @@
 """Launch settings of the decode kernels, measured on the GPU.
 
-Two families of cases, on the BENCH.md Gemma-3 shapes:
+Three families of cases, on the BENCH.md shapes:
   attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer,
              N rows of about 1,238 tokens, N in 1..256
   linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows
+  experts    (MoE shapes) the experts kernels' two stages at a few tokens, each routed to top-k
+             random experts
 Each candidate launch is timed from a CUDA graph that cycles over copies of its operands (256 MB
 in all, or 128 copies of the smallest), so that, as in a forward where every layer reads its own
 weights and K/V, they are mostly not served from L2. The table gives, per case, the current setting, the library (`F.linear`)
@@ -11,6 +13,7 @@ where there is one, and the best candidate, each in us and in GB/s of bytes that
 beside the measured copy bandwidth. JSON goes to bench/results.
 
     python -m bench.tune_kernels [--shape gemma3-4b gemma3-1b] [--n 1 8 64 256] [--rows 1 2 4 8] [--quick]
+    python -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8   # the MoE kernels
 """
 
 from __future__ import annotations
@@ -126,6 +129,37 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
         yield name, n * k * dtype.itemsize, lib, split, cands
 
 
+def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0):
+    """The MoE kernels (engine/kernels/moe.py) on one layer's experts: `tokens` tokens, each routed
+    to top_k distinct random experts. Yields (stage, bytes of distinct experts' weights read,
+    current launch, {name: launch}, make_calls); stage "gate_up" times that kernel alone through
+    `experts` with the down launch fixed, "down" the other way round."""
+    from engine.kernels import moe
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    E, K, H, inter = shape["num_experts"], shape["top_k_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
+    gate_up = torch.randn(E, 2 * inter, H, device=dev, generator=g).to(dtype) * 0.02
+    down = torch.randn(E, H, inter, device=dev, generator=g).to(dtype) * 0.02
+    # a few routings, cycled through by the timed calls (as layers route anew), so that the
+    # experts chosen are mostly not in L2 from the call before
+    idxs = [torch.rand(tokens, E, device=dev, generator=g).topk(K, dim=1).indices.int() for _ in range(8)]
+    w = torch.rand(tokens, K, device=dev, generator=g)
+    x = torch.randn(tokens, H, device=dev, generator=g).to(dtype)
+    want = moe.experts_ref(x, idxs[0].long(), w, gate_up, down)
+    distinct = sum(i.unique().numel() for i in idxs) / len(idxs)
+    grid = [dict(block_n=bn, block_k=bk, warps=wp) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512),
+                                                                  (16, 128), (16, 256)) for wp in (2, 4, 8)]
+    for stage, nbytes in (("gate_up", 2 * inter * H), ("down", H * inter)):
+        cands = {}
+        for launch in grid:
+            kw = {"gate_up_launch": launch} if stage == "gate_up" else {"down_launch": launch}
+            y = moe.experts(x, idxs[0], w, gate_up, down, **kw)
+            assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+            cands[str(launch)] = [lambda kw=kw, idx=idx: moe.experts(x, idx, w, gate_up, down, **kw) for idx in idxs]
+        current = moe.GATE_UP if stage == "gate_up" else moe.DOWN
+        yield stage, int(distinct * nbytes * dtype.itemsize), current, cands
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["gemma3-4b", "gemma3-1b"], choices=sorted(SHAPES))
@@ -135,6 +169,8 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--experts", type=int, nargs="*", default=[],
+                    help="MoE shapes (--shape gemma4-26b-a4b): these token counts through the experts kernels")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -145,7 +181,7 @@ def main() -> None:
     bw = copy_bandwidth(dev)  # the floors' bandwidth, as bench.throughput measures it
     name_dev = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{name_dev}, {sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    results = {"attention": [], "linear": []}
+    results = {"attention": [], "linear": [], "experts": []}
     meta = {"bench": "tune_kernels", "device": name_dev, "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": da.triton.__version__ if da.triton else None, "copy_bandwidth_Bps": bw,
             "commit": git_commit(), "engine_source": source_digest(), "dtype": str(dtype), "page": a.page,
@@ -155,6 +191,24 @@ def main() -> None:
     with torch.inference_mode():
         for name in a.shape:
             shape = SHAPES[name]
+            if "num_experts" in shape:
+                if not cuda:
+                    print(f"{name}: the experts kernels need CUDA")
+                    continue
+                print(f"\n{name} experts, one layer (us for both kernels; GB/s of the chosen experts' weights "
+                      f"read by the stage timed, the other stage's time included)")
+                for tokens in a.experts:
+                    for stage, nbytes, current, cands in experts_cases(shape, tokens, dtype, dev):
+                        cur = graph_us(cands[str(current)]) if str(current) in cands else None
+                        timed = sorted(((graph_us(c), k) for k, c in cands.items()), key=lambda t: t[0])
+                        best_us, best = timed[0]
+                        print(f"{stage:8} T={tokens:<3} floor {nbytes / bw * 1e6:6.1f} current "
+                              f"{cur if cur is not None else float('nan'):7.1f} best {best_us:7.1f}  {best}")
+                        results["experts"].append(dict(shape=name, stage=stage, tokens=tokens, bytes=nbytes,
+                                                       current=current, current_us=cur, best=best, best_us=best_us,
+                                                       top=[dict(us=t, launch=k) for t, k in timed[:6]]))
+                out.write_text(json.dumps({**meta, **results}, indent=1))
+                continue
             print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
             print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
             for n in a.n:

@@ -11,10 +11,12 @@ Map of the package (one owner per resource, data flows top to bottom):
     hf_adapter.py    the stock transformers forward with the engine's attention (a registered
                      attention function)
     fused_forward.py the engine's own Gemma 3 layer forward: fused weights and elementwise kernels
+    fused_gemma4.py  the same for Gemma 4 (dense or mixture of experts)
     model_runner.py  one batched forward per step: packs tokens, returns logits of sampled rows
     decode_graph.py  decode-only steps as fixed-size batches, replayed from CUDA graphs on CUDA
     quant.py         int8 linear layers for the CPU (module substitution)
-    kernels/         q8_matmul.c (CPU int8), decode_attention / fused_ops / rmsnorm / small_linear (Triton)
+    kernels/         q8_matmul.c (CPU int8), decode_attention / fused_ops / moe / rmsnorm /
+                     small_linear (Triton)
     sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
     detokenizer.py   incremental UTF-8-safe detokenization and stop strings
     passkey.py       passkey-retrieval prompts for recall tests and benchmarks

@@ -104,7 +104,14 @@ def build(model):
     if why is not None:
         log.info("stock layer forward: %s", why)
         return None
-    return fused_gemma4.FusedGemma4(model) if family == "Gemma4TextModel" else FusedGemma3(model)
+    if family != "Gemma4TextModel":
+        return FusedGemma3(model)
+    fused = fused_gemma4.FusedGemma4(model)
+    why = fused.kernels_disagree()
+    if why is not None:
+        log.warning("stock layer forward: the Gemma 4 kernels disagree with their references here (%s)", why)
+        return None
+    return fused
 
 
 def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:

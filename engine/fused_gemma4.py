@@ -34,6 +34,7 @@ from torch import nn
 from engine import hf_adapter
 from engine.fused_forward import _fuse_rows, _plain_linear, _rope_angles
 from engine.kernels import moe
+from engine.kernels import fused_ops
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
 from engine.kernels.small_linear import gemv, plan_gemv
 
@@ -169,6 +170,70 @@ class FusedGemma4:
         self.plans = {key: plan_gemv(ws) for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
+
+    @torch.no_grad()
+    def kernels_disagree(self) -> str | None:
+        """On CUDA, each Gemma 4 kernel against its torch reference on this model's own weights
+        (a full and a sliding layer, decode batches of 1 and 8 rows): what disagrees or fails to
+        compile, else None. `build` keeps the stock forward where this finds something."""
+        if not fused_ops._use_triton(self.embed.weight):  # the torch path: the references themselves
+            return None
+        g = torch.Generator(device=self.embed.weight.device).manual_seed(0)
+        dtype = self.embed.weight.dtype
+        eps, tol = self.eps, (2e-2 if dtype != torch.float32 else 1e-4)
+        worst: dict[str, float] = {}
+
+        def compare(name, got, want):
+            for a, b in zip(got, want):
+                err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                worst[name] = max(worst.get(name, 0.0), err)
+
+        try:
+            for L in {L.layer_type: L for L in self.layers}.values():
+                for T in (1, 8):
+                    def rnd(n, scale=1.0):
+                        return (torch.randn(T, n, device=g.device, generator=g) * scale).to(dtype)
+
+                    hidden = L.wo.shape[0]
+                    h, y = rnd(hidden, 3.0), rnd(hidden)
+                    X = L.experts
+                    also = () if X is None else (X.pre_norm, X.router_in)
+                    compare("add_rmsnorm", add_rmsnorm(h.clone(), y, L.post_attn, L.pre_ff, eps, 0.0, also),
+                            fused_ops.add_rmsnorm_ref(h, y, L.post_attn, L.pre_ff, eps, 0.0, also))
+                    qkv = rnd(L.wqkv.shape[0])
+                    pos = torch.randint(0, 32768, (T,), device=g.device, generator=g)
+                    if self.rope is None:
+                        cos, sin = self.rotary(qkv, pos[None], L.layer_type)
+                        tables = (cos[0], sin[0])
+                        got = qk_norm_rope(qkv.clone(), L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0,
+                                           True, L.v_from_k)
+                    else:
+                        inv, scaling = self.rope[L.layer_type]
+                        tables = fused_ops.rope_tables(pos, inv, scaling, dtype)
+                        got = qk_norm_rope_at(qkv.clone(), L.q_norm, L.k_norm, pos, inv, scaling, L.heads,
+                                              L.kv_heads, eps, 0.0, True, L.v_from_k)
+                    compare("qk_norm_rope", got, fused_ops.qk_norm_rope_ref(
+                        qkv, L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0, True, L.v_from_k))
+                    d, e = rnd(hidden), rnd(hidden)
+                    args = (L.post_ff, L.scalar, self.final_norm, eps)
+                    if X is None:
+                        compare("layer_out", layer_out(h.clone(), d, None, None, None, *args),
+                                fused_ops.layer_out_ref(h, d, None, None, None, *args))
+                        continue
+                    compare("layer_out", layer_out(h.clone(), d, e, X.post_mlp, X.post_norm, *args),
+                            fused_ops.layer_out_ref(h, d, e, X.post_mlp, X.post_norm, *args))
+                    logits = torch.randn(T, X.router.shape[0], device=g.device, generator=g)
+                    w, idx = moe.router_topk(logits, X.top_k, X.per_expert_scale)
+                    w_ref, idx_ref = moe.router_topk_ref(logits, X.top_k, X.per_expert_scale)
+                    if not torch.equal(idx.long().sort(1).values, idx_ref.sort(1).values):
+                        return "router_topk chose other experts than its reference"
+                    x = rnd(hidden)[:2]  # the reference holds float32 copies of each pair's weights
+                    compare("experts", [moe.experts(x, idx[:2], w[:2], X.gate_up, X.down)],
+                            [moe.experts_ref(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
+        except Exception as exc:  # a kernel that does not compile or launch here
+            return f"{type(exc).__name__}: {exc}"
+        bad = {k: f"{v:.1e}" for k, v in worst.items() if not v < tol}
+        return f"relative error over {tol}: {bad}" if bad else None
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])

@@ -131,13 +131,17 @@ if triton is not None:
         tl.store(Y + t * H + rn, out.to(dt), mask=nm)
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.device.type == "cuda"
+
+
 def use_kernels(x: torch.Tensor) -> bool:
-    return triton is not None and x.device.type == "cuda" and x.shape[0] <= MAX_TOKENS
+    return _use_triton(x) and x.shape[0] <= MAX_TOKENS
 
 
 def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor):
     """See `router_topk_ref`; on CUDA the experts come back as int32."""
-    if triton is None or logits.device.type != "cuda":
+    if not _use_triton(logits):
         return router_topk_ref(logits, top_k, per_expert_scale)
     T, E = logits.shape
     assert logits.is_contiguous() and top_k == triton.next_power_of_2(top_k)
@@ -149,14 +153,17 @@ def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
     return w, idx
 
 
-# launch shapes (H200, Gemma-4 26B-A4B experts: hidden 2816, 704 per expert)
+# launch shapes for Gemma-4 26B-A4B experts (hidden 2816, 704 per expert), chosen like gemv's
+# (a few weight rows per program, many programs); not yet tuned on a GPU
 GATE_UP = dict(block_n=4, block_k=512, warps=4)
 DOWN = dict(block_n=8, block_k=256, warps=4)
 
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """See `experts_ref` (CUDA, up to MAX_TOKENS tokens)."""
+            down: torch.Tensor, gate_up_launch: dict | None = None, down_launch: dict | None = None) -> torch.Tensor:
+    """See `experts_ref` (CUDA, up to MAX_TOKENS tokens). The launches default to GATE_UP and
+    DOWN (`python -m bench.tune_kernels --experts` times others)."""
+    GU, DN = gate_up_launch or GATE_UP, down_launch or DOWN
     T, k = experts_idx.shape
     E, two_i, H = gate_up.shape
     inter = two_i // 2
@@ -166,10 +173,10 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
     act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T:
-        _expert_gate_up[(T * k, triton.cdiv(inter, GATE_UP["block_n"]))](
-            x, idx, gate_up, act, H, inter, gate_up.stride(0), K=k, BLOCK_N=GATE_UP["block_n"],
-            BLOCK_K=GATE_UP["block_k"], num_warps=GATE_UP["warps"])
-        _expert_down[(T, triton.cdiv(H, DOWN["block_n"]))](
-            act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DOWN["block_n"],
-            BLOCK_K=DOWN["block_k"], num_warps=DOWN["warps"])
+        _expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
+            x, idx, gate_up, act, H, inter, gate_up.stride(0), K=k, BLOCK_N=GU["block_n"], BLOCK_K=GU["block_k"],
+            num_warps=GU["warps"])
+        _expert_down[(T, triton.cdiv(H, DN["block_n"]))](
+            act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"],
+            num_warps=DN["warps"])
     return y

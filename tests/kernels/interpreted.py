@@ -1,0 +1,137 @@
+"""The CUDA kernels' logic on the CPU: Triton's interpreter (TRITON_INTERPRET=1) runs them on CPU
+tensors, so a machine without a GPU can check them against their torch references, and the fused
+Gemma 4 forward on them against the stock layers. Run by test_interpreted.py in a process of its
+own (the variable must be set before the kernels are defined):
+
+    TRITON_INTERPRET=1 python -m tests.kernels.interpreted
+
+Float32 only: the interpreter truncates where the GPU rounds to nearest when it converts to
+bfloat16, so bfloat16 agreement is the GPU tests' part. It lacks libdevice's cos/sin, so RoPE
+runs from tables here (`qk_norm_rope`); the kernel is the same but for where the angles come
+from. Timing means nothing here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import Engine, EngineConfig, Request, SamplingParams, fused_forward, fused_gemma4
+from engine.kernels import fused_ops, moe
+from engine.model_loader import LoadedModel
+from tests.helpers import tiny_gemma4
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+# the kernels take CPU tensors here
+fused_ops._use_triton = moe._use_triton = lambda x: True
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_kernels() -> dict[str, float]:
+    torch.manual_seed(0)
+    N, H, Hkv, D, eps = 96, 4, 2, 16, 1e-6
+    worst: dict[str, float] = {}
+
+    def note(name, got, want):
+        for a, b in zip(got, want):
+            worst[name] = max(worst.get(name, 0.0), rel(a, b))
+
+    for T in (1, 3):
+        h, y = torch.randn(T, N) * 3, torch.randn(T, N)
+        w1, w2, w3, w4 = (torch.randn(N) * 0.3 + 1 for _ in range(4))
+        for off, also in ((1.0, ()), (0.0, (w3,)), (0.0, (w3, w4))):
+            note(f"add_rmsnorm offset {off:g}, {1 + len(also)} norms", fused_ops.add_rmsnorm(h.clone(), y, w1, w2, eps,
+                                                                                         off, also),
+                 fused_ops.add_rmsnorm_ref(h, y, w1, w2, eps, off, also))
+            note(f"rmsnorm offset {off:g}", [fused_ops.rmsnorm(h, w1, eps, off)], [fused_ops.rmsnorm_ref(h, w1, eps, off)])
+        pos = torch.randint(0, 1000, (T,))
+        inv = 1.0 / (10_000 ** (torch.arange(0, D, 2).float() / D))
+        cos, sin = fused_ops.rope_tables(pos, inv, 1.0, torch.float32)
+        wq, wk = torch.randn(D) * 0.3 + 1, torch.randn(D) * 0.3 + 1
+        for off, v_norm, v_from_k in ((1.0, False, False), (0.0, True, False), (0.0, True, True)):
+            qkv = torch.randn(T, (H + (1 if v_from_k else 2) * Hkv) * D)
+            note(f"qk_norm_rope offset {off:g} v_norm {v_norm} v_from_k {v_from_k}",
+                 fused_ops.qk_norm_rope(qkv.clone(), wq, wk, cos, sin, H, Hkv, eps, off, v_norm, v_from_k),
+                 fused_ops.qk_norm_rope_ref(qkv, wq, wk, cos, sin, H, Hkv, eps, off, v_norm, v_from_k))
+        d, e, scalar = torch.randn(T, N), torch.randn(T, N) * 0.1, torch.tensor([0.8])
+        note("layer_out", fused_ops.layer_out(h.clone(), d, e, w1, w2, w3, scalar, w4, eps),
+             fused_ops.layer_out_ref(h, d, e, w1, w2, w3, scalar, w4, eps))
+        note("layer_out dense", fused_ops.layer_out(h.clone(), d, None, None, None, w3, scalar, w4, eps),
+             fused_ops.layer_out_ref(h, d, None, None, None, w3, scalar, w4, eps))
+        E, K, inter = 16, 4, 40  # an expert width that is not a multiple of the blocks
+        scale = torch.rand(E) + 0.5
+        logits = torch.randn(T, E) * 2
+        w, idx = moe.router_topk(logits, K, scale)
+        w_ref, idx_ref = moe.router_topk_ref(logits, K, scale)
+        assert idx.dtype == torch.int32 and torch.equal(idx.long(), idx_ref), (idx, idx_ref)
+        note("router_topk", [w], [w_ref])
+        gate_up, down, x = torch.randn(E, 2 * inter, N) * 0.2, torch.randn(E, N, inter) * 0.2, torch.randn(T, N)
+        note("experts", [moe.experts(x, idx, w, gate_up, down)], [moe.experts_ref(x, idx_ref, w_ref, gate_up, down)])
+    return worst
+
+
+def check_forward() -> tuple[bool, float, int]:
+    """The engine on the fused Gemma 4 forward (its kernels, RoPE from tables) against the stock
+    layers, with norm weights, router scales and layer scalars away from their initial values."""
+    def engine(fused: bool) -> Engine:
+        model = tiny_gemma4(3)
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ == "Gemma4RMSNorm" and m.with_scale:
+                    torch.nn.init.normal_(m.weight, 1.0, 0.3)
+            for layer in model.model.layers:
+                torch.nn.init.normal_(layer.router.per_expert_scale, 1.0, 0.3)
+                torch.nn.init.normal_(layer.router.scale, 1.0, 0.3)
+                layer.layer_scalar.fill_(0.9)
+        cfg = EngineConfig(model="tiny-gemma4", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
+                           max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
+        eng = Engine(cfg, LoadedModel(model, None, "tiny-gemma4"))
+        assert (type(eng.runner.fused).__name__ == "FusedGemma4") == fused
+        assert not fused or eng.runner.fused.rope is None
+        return eng
+
+    outs, logits = [], []
+    for fused in (True, False):
+        eng = engine(fused)
+        seen = {}
+        eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
+        for i, n in enumerate((5, 23, 9)):
+            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=6,
+                                                                                             ignore_eos=True)))
+        out: dict[str, list[int]] = {}
+        while eng.has_work():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(out)
+        logits.append(seen)
+    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
+    return outs[0] == outs[1], diff, len(logits[1])
+
+
+def main() -> None:
+    fused_gemma4._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
+    worst = check_kernels()
+    for k, v in worst.items():
+        print(f"{k}: {v:.1e}")
+    bad = {k: v for k, v in worst.items() if not v < 1e-5}
+    assert not bad, bad
+    # build's own check of the kernels on the model's weights passes, and catches a broken one
+    fused = fused_forward.build(tiny_gemma4(4))
+    assert type(fused).__name__ == "FusedGemma4" and fused.kernels_disagree() is None
+    good = moe.experts
+    moe.experts = lambda *a: good(*a) * 1.5
+    assert "experts" in (fused.kernels_disagree() or "")
+    moe.experts = good
+    same, diff, steps = check_forward()
+    print(f"fused Gemma 4 forward on the kernels vs stock: tokens equal {same}, max |logit diff| {diff:.1e} "
+          f"over {steps} steps")
+    assert same and diff < 1e-3
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
