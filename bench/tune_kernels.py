@@ -151,7 +151,8 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0):
                                                                   (16, 128), (16, 256)) for wp in (2, 4, 8)]
     for stage, nbytes in (("gate_up", 2 * inter * H), ("down", H * inter)):
         cands = {}
-        for launch in grid:
+        launches = grid if stage == "gate_up" else [dict(l, split=sp) for l in grid for sp in (False, True)]
+        for launch in launches:
             kw = {"gate_up_launch": launch} if stage == "gate_up" else {"down_launch": launch}
             y = moe.experts(x, idxs[0], w, gate_up, down, **kw)
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2

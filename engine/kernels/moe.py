@@ -11,7 +11,9 @@ few tokens per step the work is reading the chosen experts' weights once; three 
   expert_gate_up per (token, chosen expert) pair: that expert's gate and up rows against the
                  token, then gelu_tanh(gate) * up, each program a few rows of one pair
   expert_down    per token: each chosen expert's down rows against its pair's activation,
-                 weighted and summed over the k experts in float32 (no scatter, no atomics)
+                 weighted and summed over the k experts in float32 (no scatter, no atomics);
+                 or split (DOWN["split"]): per pair into float32 partials, then a sum per token
+                 in the same order (the same result, more and smaller programs)
 
 `experts_ref` is the same math in torch ops: the CPU path for a handful of tokens and the
 kernels' test oracle. The kernels round where the stock module rounds (each product's output and
@@ -130,6 +132,36 @@ if triton is not None:
             out += acc.to(dt).to(tl.float32) * tl.load(Weights + p)
         tl.store(Y + t * H + rn, out.to(dt), mask=nm)
 
+    @triton.jit
+    def _expert_down_pairs(Act, Experts, Weights, D, Part, H, inter, stride_de, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """`_expert_down` split by pair: each program one pair's rows, weighted, into a float32
+        partial (more, smaller programs; `_sum_pairs` adds each token's k partials in order)."""
+        p = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = rn < H
+        e = tl.load(Experts + p).to(tl.int64)
+        w_row = D + e * stride_de + rn[:, None] * inter
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            km = rk < inter
+            a = tl.load(Act + p * inter + rk, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(w_row + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        y = acc.to(Act.dtype.element_ty).to(tl.float32) * tl.load(Weights + p)
+        tl.store(Part + p * H + rn, y, mask=nm)
+
+    @triton.jit
+    def _sum_pairs(Part, Y, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < H
+        out = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(K):
+            out += tl.load(Part + (t * K + j) * H + cols, mask=m, other=0.0)
+        tl.store(Y + t * H + cols, out.to(Y.dtype.element_ty), mask=m)
+
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.device.type == "cuda"
@@ -156,7 +188,7 @@ def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
 # launch shapes for Gemma-4 26B-A4B experts (hidden 2816, 704 per expert), chosen like gemv's
 # (a few weight rows per program, many programs); not yet tuned on a GPU
 GATE_UP = dict(block_n=4, block_k=512, warps=4)
-DOWN = dict(block_n=8, block_k=256, warps=4)
+DOWN = dict(block_n=8, block_k=256, warps=4, split=False)  # split: per pair, then a sum per token
 
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -176,7 +208,14 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
         _expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
             x, idx, gate_up, act, H, inter, gate_up.stride(0), K=k, BLOCK_N=GU["block_n"], BLOCK_K=GU["block_k"],
             num_warps=GU["warps"])
-        _expert_down[(T, triton.cdiv(H, DN["block_n"]))](
-            act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"],
-            num_warps=DN["warps"])
+        if DN.get("split"):
+            part = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+            _expert_down_pairs[(T * k, triton.cdiv(H, DN["block_n"]))](
+                act, idx, wts, down, part, H, inter, down.stride(0), BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"],
+                num_warps=DN["warps"])
+            _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4)
+        else:
+            _expert_down[(T, triton.cdiv(H, DN["block_n"]))](
+                act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DN["block_n"],
+                BLOCK_K=DN["block_k"], num_warps=DN["warps"])
     return y

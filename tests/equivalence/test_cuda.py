@@ -448,7 +448,10 @@ def test_gemma4_kernels_match_their_references(dtype):
                  "dense layer_out h": (got_dense[0], want_dense[0]),
                  "router weights": (got_w.gather(1, order[0]), want_w.gather(1, order[1])),
                  "experts": (moe.experts(x, got_i, got_w, gate_up, down), moe.experts_ref(x, want_i, want_w, gate_up,
-                                                                                          down))}
+                                                                                          down)),
+                 "experts split down": (moe.experts(x, got_i, got_w, gate_up, down,
+                                                    down_launch=dict(moe.DOWN, split=not moe.DOWN["split"])),
+                                        moe.experts(x, got_i, got_w, gate_up, down))}
         for name, (a, b) in pairs.items():
             rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
             worst[name] = max(worst.get(name, 0.0), rel)
