@@ -15,10 +15,12 @@ from tests.helpers import hf_greedy, tiny_gemma4, tiny_loaded, tiny_random_model
 
 
 def _tiny(family):
-    return tiny_loaded(0) if family == "gemma3" else LoadedModel(tiny_gemma4(0), None, "tiny-gemma4")
+    if family == "gemma3":
+        return tiny_loaded(0)
+    return LoadedModel(tiny_gemma4(0, enable_moe_block=family == "gemma4"), None, family)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gemma4-dense"])
 @pytest.mark.parametrize("static", [False, True])
 def test_fused_engine_equals_stock_engine(static, family):
     turns = plan(3, sessions=4, turns=3)
@@ -26,6 +28,7 @@ def test_fused_engine_equals_stock_engine(static, family):
     stock = Engine(EngineConfig(**BASE, max_rows=4, decode_graphs=static, fused_layers=False), _tiny(family))
     assert fused.runner.fused is not None and stock.runner.fused is None
     assert type(fused.runner.fused).__name__ == ("FusedGemma3" if family == "gemma3" else "FusedGemma4")
+    assert family == "gemma3" or all((L.experts is not None) == (family == "gemma4") for L in fused.runner.fused.layers)
     a, b = Recorder(fused), Recorder(stock)
     out_a, sids_a = converse(fused, turns)
     out_b, sids_b = converse(stock, turns)
