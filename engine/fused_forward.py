@@ -94,24 +94,12 @@ def unsupported(model) -> str | None:
     return None
 
 
-def build(model):
-    """The engine's own forward for this model (`FusedGemma3`, or `FusedGemma4` of
-    fused_gemma4.py), or None where it runs the stock layers."""
-    from engine import fused_gemma4  # it builds on this module's helpers
-
-    family = type(model.get_decoder()).__name__
-    why = fused_gemma4.unsupported(model) if family == "Gemma4TextModel" else unsupported(model)
+def build(model) -> FusedGemma3 | None:
+    why = unsupported(model)
     if why is not None:
         log.info("stock layer forward: %s", why)
         return None
-    if family != "Gemma4TextModel":
-        return FusedGemma3(model)
-    fused = fused_gemma4.FusedGemma4(model)
-    why = fused.kernels_disagree()
-    if why is not None:
-        log.warning("stock layer forward: the Gemma 4 kernels disagree with their references here (%s)", why)
-        return None
-    return fused
+    return FusedGemma3(model)
 
 
 def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:

@@ -119,6 +119,22 @@ def unsupported(model) -> str | None:
     return None
 
 
+def build(model) -> FusedGemma4 | None:
+    """The fused forward, or None where the model runs the stock layers: a model it does not
+    take, or (CUDA) kernels that disagree with their references on its weights."""
+    why = unsupported(model)
+    if why is None:
+        fused = FusedGemma4(model)
+        why = fused.kernels_disagree()
+        if why is None:
+            return fused
+        why = f"the Gemma 4 kernels disagree with their references here ({why})"
+        log.warning("stock layer forward: %s", why)
+    else:
+        log.info("stock layer forward: %s", why)
+    return None
+
+
 def _experts(layer) -> _Experts | None:
     if not getattr(layer, "enable_moe_block", False):
         return None

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import fused_forward, hf_adapter
+from engine import fused_forward, fused_gemma4, hf_adapter
 from engine.attention import ForwardChunk, StepAttention
 from engine.decode_graph import GraphDecoder
 from engine.kernels.rmsnorm import fuse_norms
@@ -42,7 +42,10 @@ class ModelRunner:
         self.device = pool.device
         hf_adapter.use_row_attention(model)
         self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
-        self.fused = fused_forward.build(model) if fused else None
+        self.fused = None
+        if fused:  # the engine's own forward for the model's family, where it takes the model
+            gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
+            self.fused = (fused_gemma4 if gemma4 else fused_forward).build(model)
         self.forward = self.fused.forward if self.fused is not None else self._stock_forward
         if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)

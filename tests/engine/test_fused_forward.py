@@ -7,7 +7,7 @@ hold it to the stock forward directly, step by step, and check what it does to t
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, fused_forward
+from engine import Engine, EngineConfig, fused_forward, fused_gemma4
 from engine.kernels import fused_ops
 from engine.model_loader import LoadedModel
 from tests.engine.test_resume import BASE, Recorder, converse, max_logit_diff, plan
@@ -63,7 +63,7 @@ def test_fused_gemma4_weights_are_the_model_weights():
     prompt = list(range(5, 25))
     before = hf_greedy(model, prompt, 12)
     params = sum(p.numel() for p in model.parameters())
-    fused = fused_forward.build(model)
+    fused = fused_gemma4.build(model)
     assert type(fused).__name__ == "FusedGemma4"
     for layer, L in zip(model.model.layers, fused.layers):
         attn = layer.self_attn
@@ -79,13 +79,12 @@ def test_fused_gemma4_weights_are_the_model_weights():
 def test_models_the_fused_forward_does_not_take_run_the_stock_layers():
     """Other families, Gemma 4 with per-layer input embeddings and quantized linears keep the
     stock forward, and still serve."""
-    from engine import fused_gemma4
     from engine.quant import quantize_int8
 
     assert "not a Gemma 3 decoder" in fused_forward.unsupported(tiny_gemma4(0))
     assert "per-layer input" in fused_gemma4.unsupported(tiny_gemma4(0, hidden_size_per_layer_input=8,
                                                                      vocab_size_per_layer_input=512))
-    assert fused_forward.build(tiny_gemma4(0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512)) is None
+    assert fused_gemma4.build(tiny_gemma4(0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512)) is None
     model = tiny_random_model(0)
     quantize_int8(model, None)  # the int8 linears' torch path (no compiled kernel needed here)
     assert "plain bias-free linears" in fused_forward.unsupported(model)

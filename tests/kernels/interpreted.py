@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams, fused_forward, fused_gemma4
+from engine import Engine, EngineConfig, Request, SamplingParams, fused_gemma4
 from engine.kernels import fused_ops, moe
 from engine.model_loader import LoadedModel
 from tests.helpers import tiny_gemma4
@@ -123,7 +123,7 @@ def main() -> None:
     bad = {k: v for k, v in worst.items() if not v < 1e-5}
     assert not bad, bad
     # build's own check of the kernels on the model's weights passes, and catches a broken one
-    fused = fused_forward.build(tiny_gemma4(4))
+    fused = fused_gemma4.build(tiny_gemma4(4))
     assert type(fused).__name__ == "FusedGemma4" and fused.kernels_disagree() is None
     good = moe.experts
     moe.experts = lambda *a: good(*a) * 1.5

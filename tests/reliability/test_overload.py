@@ -1,7 +1,10 @@
 """Overload: arrivals at ten times what a real `s5serve serve` process admits. The queue stays
 bounded, the excess gets 429 with Retry-After, every admitted request completes, the server's
-memory stays flat across waves, and its event loop is never blocked for more than 50 ms
-(measured by the server itself: /metrics s5_event_loop_lag_seconds).
+memory stays flat across waves, and its event loop is not blocked for more than 50 ms (measured
+by the server itself: /metrics s5_event_loop_lag_seconds): at most 1% of its wake-ups that late.
+A loop blocked by the server's own work (a sync call, the engine step on the loop) is late on
+most wake-ups of every wave; one late wake-up in ~300 is the host's scheduling on a shared
+two-core machine (a fresh-clone CI run saw 1 of 286).
 
 The load comes from a separate process at lower CPU priority (`nice 10`): in production clients
 are elsewhere, and on a two-core test machine a load generator at equal priority takes the
@@ -96,6 +99,6 @@ def test_ten_times_capacity(tmp_path):
               f"{lag_over:.0f} of {lag_n:.0f}; server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
         assert rejected > 0 and admitted >= 4 * 8
         assert metric(url, "s5_rejections_total", 'code="queue_full"') == rejected
-        assert lag_n > 50 and lag_over == 0
+        assert lag_n > 50 and lag_over <= lag_n // 100
         assert growth < 64 * 2**20
         assert metric(url, "s5_kv_rows_used") == 0
