@@ -138,8 +138,11 @@ def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-class FusedGemma3:
-    @torch.no_grad()
+class FusedDecoder:
+    """What the engine's own forwards (Gemma 3 here, Gemma 4 in fused_gemma4.py) take from the
+    stock decoder besides its layers: the embedding, the rotary embedding (and, where they match
+    `rope_tables`, its angles for the kernels), the norm epsilon and the final norm."""
+
     def __init__(self, model) -> None:
         self.model = model
         base = model.get_decoder()
@@ -152,6 +155,24 @@ class FusedGemma3:
         dtype = base.embed_tokens.weight.dtype
         with torch.inference_mode():
             self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
+
+    def _tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Per layer type, the module's RoPE tables (cos, sin [T, D]) where the kernels cannot
+        compute their entries themselves (`rope` None); else empty."""
+        tables = {}
+        if self.rope is None:
+            for lt in self.layer_types:
+                cos, sin = self.rotary(h, positions[None], lt)
+                tables[lt] = (cos[0], sin[0])
+        return tables
+
+
+class FusedGemma3(FusedDecoder):
+    @torch.no_grad()
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        base = model.get_decoder()
+        cfg = base.config
         self.layers: list[_Layer] = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -188,11 +209,7 @@ class FusedGemma3:
         `logits_index` (None: all), attention through `step`."""
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
-        tables = {}
-        if self.rope is None:  # the module's tables (else the kernel computes their entries)
-            for lt in self.layer_types:
-                cos, sin = self.rotary(h, positions[None], lt)
-                tables[lt] = (cos[0], sin[0])  # [T, D]
+        tables = self._tables(h, positions)
         eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps)
         for n, L in enumerate(self.layers):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import hf_adapter
-from engine.fused_forward import _fuse_rows, _plain_linear, _rope_angles
+from engine.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
 from engine.kernels import moe
 from engine.kernels import fused_ops
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
@@ -147,20 +147,12 @@ def _experts(layer) -> _Experts | None:
         module=ex)
 
 
-class FusedGemma4:
+class FusedGemma4(FusedDecoder):
     @torch.no_grad()
     def __init__(self, model) -> None:
-        self.model = model
+        super().__init__(model)
         base = model.get_decoder()
         cfg = base.config
-        self.embed = base.embed_tokens
-        self.rotary = base.rotary_emb
-        self.eps = float(cfg.rms_norm_eps)
-        self.final_norm = base.norm.weight
-        self.layer_types = sorted(set(cfg.layer_types))
-        dtype = base.embed_tokens.weight.dtype
-        with torch.inference_mode():
-            self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -269,11 +261,7 @@ class FusedGemma4:
         `logits_index` (None: all), attention through `step`."""
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
-        tables = {}
-        if self.rope is None:  # the module's tables (else the kernel computes their entries)
-            for lt in self.layer_types:
-                cos, sin = self.rotary(h, positions[None], lt)
-                tables[lt] = (cos[0], sin[0])  # [T, D]
+        tables = self._tables(h, positions)
         eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0)
         for n, L in enumerate(self.layers):

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams, fused_gemma4
+from engine import Engine, EngineConfig, Request, SamplingParams, fused_forward, fused_gemma4
 from engine.kernels import fused_ops, moe
 from engine.model_loader import LoadedModel
 from tests.helpers import tiny_gemma4
@@ -116,7 +116,7 @@ def check_forward() -> tuple[bool, float, int]:
 
 
 def main() -> None:
-    fused_gemma4._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
+    fused_forward._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
     worst = check_kernels()
     for k, v in worst.items():
         print(f"{k}: {v:.1e}")
