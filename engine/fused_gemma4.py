@@ -33,6 +33,7 @@ from torch import nn
 
 from engine import hf_adapter
 from engine.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
+from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe
 from engine.kernels import fused_ops
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
@@ -78,6 +79,10 @@ class _Layer:
 
 
 def _norm_with(m, scale: bool) -> bool:
+    """Gemma 4's RMSNorm, x * w (`scale`) or scale-free; with a scale also the stock path's fused
+    CUDA substitute for it (offset 0), which an engine built earlier on the same model put in."""
+    if type(m) is FusedRMSNorm:
+        return scale and m.offset == 0.0
     return type(m).__name__ == "Gemma4RMSNorm" and bool(getattr(m, "with_scale", True)) == scale
 
 

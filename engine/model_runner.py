@@ -3,6 +3,7 @@ static (CUDA graph) path of decode_graph.py."""
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -16,12 +17,30 @@ from engine.kernels.small_linear import substitute_linears
 from engine.kv_rows import RowPool
 from engine.types import StepLogits
 
+log = logging.getLogger(__name__)
+
 
 # SDPA backends for the eager (prefill and mixed) steps. Not cuDNN: its attention builds an
 # execution plan per new shape, and a step's query blocks and key ranges change shape all the
 # time; on an H200 that planning took 2 s of host time per 2,048-token prefill step of Gemma-3 4B
 # (measured with `bench.profile_decode --prefill`), 20x the step's device time.
 EAGER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def stock_experts_capturable(model) -> bool:
+    """The stock layers of a mixture-of-experts model on CUDA: transformers' default experts loop
+    reads each expert's token count on the host, which a CUDA graph cannot capture; torch's
+    grouped product reads none in bfloat16, so the model is switched to it. In other dtypes the
+    grouped product copies its offsets to the host too, and decode steps run uncaptured (False)."""
+    experts = [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+               and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
+    if not experts:
+        return True
+    if experts[0].gate_up_proj.dtype != torch.bfloat16 or not hasattr(model, "set_experts_implementation"):
+        log.info("stock experts in %s: decode steps run uncaptured", experts[0].gate_up_proj.dtype)
+        return False
+    model.set_experts_implementation("grouped_mm")
+    return True
 
 
 class RunnerInput(NamedTuple):
@@ -50,6 +69,7 @@ class ModelRunner:
         if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)
             self.small_linears = substitute_linears(model)
+            capture = capture and stock_experts_capturable(model)
         self.decoder = None
         if static_decode:
             self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable)

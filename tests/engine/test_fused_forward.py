@@ -76,6 +76,28 @@ def test_fused_gemma4_weights_are_the_model_weights():
     assert hf_greedy(model, prompt, 12) == before
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_fused_forward_takes_norms_a_stock_engine_substituted(family):
+    """On CUDA, an engine on the stock layers puts FusedRMSNorm in for the model's norms (offset 1
+    for Gemma 3's 1 + w, 0 for Gemma 4's w); a fused engine built later on the same model (a
+    benchmark running both) still takes it, reading the same weights."""
+    from engine.kernels.rmsnorm import FusedRMSNorm, _is_rmsnorm
+
+    model = _tiny(family).model
+    build = fused_gemma4.build if family == "gemma4" else fused_forward.build
+    before = [L.in_norm.data_ptr() for L in build(model).layers]
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_rmsnorm(child):
+                setattr(parent, name, FusedRMSNorm(child.weight, child.eps, 1.0 if family == "gemma3" else 0.0))
+                swapped += 1
+    assert swapped >= 4 * model.config.num_hidden_layers
+    fused = build(model)
+    assert fused is not None
+    assert [L.in_norm.data_ptr() for L in fused.layers] == before
+
+
 def test_models_the_fused_forward_does_not_take_run_the_stock_layers():
     """Other families, Gemma 4 with per-layer input embeddings and quantized linears keep the
     stock forward, and still serve."""

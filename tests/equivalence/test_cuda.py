@@ -462,10 +462,10 @@ def test_gemma4_kernels_match_their_references(dtype):
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 @pytest.mark.parametrize("policy", ["s5", "native"])
 def test_cuda_fused_forward_equals_stock_forward(policy, family):
-    """The engine on its fused layer forward (graphs) against the stock layers (graphs): float32
-    logits agree to float rounding; bf16 greedy tokens agree up to rounding-driven divergence.
-    Gemma 4: a mixture of experts on the MoE kernels (decode steps and prefill chunks up to 64
-    tokens)."""
+    """The engine on its fused layer forward (graphs) against the stock layers (graphs; float32
+    experts decode uncaptured, see `stock_experts_capturable`): float32 logits agree to float
+    rounding; bf16 greedy tokens agree up to rounding-driven divergence. Gemma 4: a mixture of
+    experts on the MoE kernels (decode steps and prefill chunks up to 64 tokens)."""
     from tests.engine.test_resume import Recorder
     from tests.helpers import tiny_gemma4
 
