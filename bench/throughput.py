@@ -158,8 +158,8 @@ def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = Tru
     with torch.device(device):
         model = cls._from_config(cfg, dtype=dtype).eval()
     if "num_experts" in fields and device.startswith("cuda"):
-        # the default experts loop syncs with the host per expert; grouped_mm does not, so the
-        # decode step can be captured as a CUDA graph
+        # HF's baseline on the same experts product as the engine's stock layers (model_runner.
+        # stock_experts_capturable): the default loop syncs with the host per expert
         model.set_experts_implementation("grouped_mm")
     if not with_hf:
         return model, None
@@ -193,19 +193,33 @@ def copy_bandwidth(device: str) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1000)
 
 
-def step_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer, except an input
-    embedding table that is not also the output layer (a lookup reads one row per token)."""
+def step_weight_bytes(model, n_tokens: int = 1) -> int:
+    """Bytes of weights one decode step of `n_tokens` rows reads: every parameter and buffer,
+    except an input embedding table that is not also the output layer (a lookup reads one row per
+    token), and, in a mixture-of-experts layer, only the experts the step routes to: with top-k of
+    E experts routed uniformly, E * (1 - (1 - k/E)^n) distinct experts on average."""
     seen, total = set(), 0
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = getattr(head, "weight", None) is emb
+    top_k = getattr(model.config.get_text_config(), "top_k_experts", None) or 0
+    expert_params = {}
+    for mod in model.modules():
+        e = getattr(mod, "num_experts", None)
+        if isinstance(e, int) and top_k:
+            for t in mod.parameters(recurse=False):
+                if t.dim() == 3 and t.shape[0] == e:
+                    expert_params[t.data_ptr()] = e
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen or (t is emb and not tied):
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+        nbytes = t.numel() * t.element_size()
+        if t.data_ptr() in expert_params:
+            e = expert_params[t.data_ptr()]
+            nbytes = nbytes * (1 - (1 - min(top_k, e) / e) ** n_tokens)
+        total += nbytes
+    return int(total)
 
 
 def source_digest() -> str:
@@ -315,7 +329,7 @@ def main() -> None:
         path = str(embedded_dir()) if a.model == "embedded" else a.model
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
     loaded = next(iter(engines.values()))
-    weight_bytes = {w: step_weight_bytes(m.model) for w, m in engines.items()}
+    weight_bytes = {w: step_weight_bytes(m.model) for w, m in engines.items()}  # at N=1
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
@@ -336,7 +350,7 @@ def main() -> None:
                 layers = res.pop("layers")
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
-                    floor = n / ((weight_bytes[w] + n * res["kv_bytes_per_session"]) / bandwidth)
+                    floor = n / ((step_weight_bytes(eng.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
                 row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
