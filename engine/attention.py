@@ -283,9 +283,16 @@ def _keys(k: torch.Tensor, keys) -> torch.Tensor:
 
 
 def _sdpa(q, k, v, mask, scaling, softcap):
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None and mask is not None and q.is_cuda and groups > 1:
+        # torch's memory-efficient kernel takes a mask but not grouped K/V heads, flash takes no
+        # mask, so a masked grouped SDPA on CUDA falls to the math path: float32 score matrices,
+        # 10x the time of a prefill step of Gemma-3 1B (bench.profile_decode --prefill). K/V
+        # expanded to the query heads (a copy of the keys in view) take the efficient kernel.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-    groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
