@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from engine.kv_policy import ring_slot, ring_survives
 from engine.kv_rows import RowPool
 
-# A prefill chunk longer than this attends in query blocks of this many tokens, each against only
-# the keys its queries can see: under a causal mask, and more so under a sliding window, most of
-# a long chunk's query x key grid is masked, and SDPA with an explicit mask computes all of it.
+# On the CPU, a prefill chunk longer than this attends in query blocks of this many tokens, each
+# against only the keys its queries can see: under a causal mask, and more so under a sliding
+# window, most of a long chunk's query x key grid is masked, and SDPA with an explicit mask
+# computes all of it. On CUDA that grid costs less than the blocks' host work (a gather, a mask
+# and an SDPA per block and layer), so a chunk attends in one call.
 QUERY_BLOCK = 256
 
 
@@ -129,7 +131,7 @@ class StepAttention:
                 m &= (k >= fstart) | (k < pool.sink) | (k >= fstart - pool.window)
             # [B, 1, T, L]. On the CPU, None when every key is visible (SDPA's unmasked path is
             # faster there); on CUDA the unmasked path measured 16x slower for these shapes.
-            if len(chunks) == 1 and tmax > QUERY_BLOCK:  # attends by blocks: no whole-chunk mask
+            if len(chunks) == 1 and tmax > QUERY_BLOCK and dev.type == "cpu":  # by blocks: no whole-chunk mask
                 blocks[(paged, attn_window)] = self._query_blocks(chunks[0], paged, attn_window, m[0], dev)
                 continue
             unmasked = dev.type == "cpu" and bool(m.all())
