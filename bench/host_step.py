@@ -9,6 +9,13 @@ tokens, then its static decode path runs with the model forward replaced by fixe
 is timed is everything but the forward (the greedy argmax over the tiny vocabulary included).
 
     python -m bench.host_step [--n 1 8 64 256] [--prompt-len 1238] [--overlap off on]
+
+`--prefill` times the mixed steps instead (N prompts admitted together, 2,048 tokens per step:
+the decoding rows plus prefill chunks), the forward again replaced by fixed logits. That is the
+CPU path's host work (its masks and query blocks are built on the host); on CUDA a chunk's mask
+is built on the device and a chunk attends in one call.
+
+    python -m bench.host_step --prefill --n 64
 """
 
 from __future__ import annotations
@@ -53,6 +60,25 @@ def host_us_per_step(n: int, prompt_len: int, steps: int, overlap: bool = False)
     return elapsed / steps * 1e6
 
 
+def host_ms_per_mixed_step(n: int, prompt_len: int, chunk: int = 2048) -> float:
+    model = tiny_random_model(0, num_hidden_layers=2)
+    cfg = EngineConfig(model="tiny-random", device="cpu", kv_policy="s5", max_rows=n, decode_graphs=True,
+                       max_num_batched_tokens=chunk, kv_cache_bytes=n * (prompt_len + 600) * 4096)
+    engine = Engine(cfg, LoadedModel(model, None, "tiny"))
+    vocab = model.config.vocab_size
+    engine.runner.forward = lambda ids, positions, step, logits_index: torch.zeros(logits_index.shape[0], vocab)
+    for i in range(n):
+        prompt = [3 + (i * 7 + j) % (vocab - 3) for j in range(prompt_len)]
+        engine.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=128, ignore_eos=True)))
+    engine.step()  # the first step (allocations, first calls) out of the timing
+    times = []
+    for _ in range((n * prompt_len) // chunk - 1):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return sum(times) / len(times) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -61,22 +87,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of this many timings per N")
     ap.add_argument("--overlap", nargs="+", choices=["off", "on"], default=["off"],
                     help="steps applied in order, or launched ahead of the host (EngineConfig.overlap_steps)")
+    ap.add_argument("--prefill", action="store_true", help="the mixed (prefill) steps' host work instead")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print(f"{'N':>4} {'ahead':>5} {'host us/step':>13} {'us/row':>8}")
-    for n in a.n:
+    if a.prefill:
+        print(f"{'N':>4} {'host ms per mixed step':>23}")
+        for n in a.n:
+            ms = min(host_ms_per_mixed_step(n, a.prompt_len) for _ in range(a.repeats))
+            rows.append({"n": n, "host_ms_per_mixed_step": ms})
+            print(f"{n:4} {ms:23.2f}")
+    if not a.prefill:
+        print(f"{'N':>4} {'ahead':>5} {'host us/step':>13} {'us/row':>8}")
+    for n in a.n if not a.prefill else []:
         for overlap in a.overlap:
             us = min(host_us_per_step(n, a.prompt_len, a.steps, overlap == "on") for _ in range(a.repeats))
             rows.append({"n": n, "overlap": overlap, "host_us_per_step": us, "host_us_per_row": us / n})
             print(f"{n:4} {overlap:>5} {us:13.0f} {us / n:8.1f}")
-    result = {"bench": "host_step", "device": cpu_name(), "prompt_len": a.prompt_len, "steps": a.steps,
+    result = {"bench": "host_step", "mode": "prefill" if a.prefill else "decode", "device": cpu_name(),
+              "prompt_len": a.prompt_len, "steps": a.steps,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "commit": git_commit(), "engine_source_sha256": source_digest()},
               "rows": rows}
-    out = Path(a.out) / f"host-step-cpu-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
+    kind = "host-prefill-step" if a.prefill else "host-step"
+    out = Path(a.out) / f"{kind}-cpu-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

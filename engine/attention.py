@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,35 +83,34 @@ class StepAttention:
         self._build_writes(offsets, dev)
 
     # ---- index building (host, once per step) -------------------------------------------------
-    def _resident(self, c: ForwardChunk, paged: bool) -> tuple[list[int], list[int]]:
-        """Storage slots and positions of a chunk's keys read from storage. Paged layers store
-        the step's new tokens first, so their keys are one gather of positions [0, end); ring
-        layers read what the row held before the step (the new tokens are appended)."""
+    def _resident(self, chunks, paged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage slots and positions [B, L] of each chunk's keys read from storage (padding:
+        slot 0, position -1). Paged layers store the step's new tokens first, so their keys are
+        one gather of positions [0, end); ring layers read what the row held before the step (the
+        new tokens are appended)."""
         pool = self.pool
-        if paged:
-            end = c.start + c.num_tokens
-            return pool.paged_slots(c.row, 0, end), list(range(end))
-        base = pool.ring_base(c.row)
-        pos = pool.ring_pos[c.row].tolist()
-        return [base + j for j in range(pool.ring_slots)], pos
+        if not paged:
+            rows = torch.tensor([c.row for c in chunks], dtype=torch.long)
+            return pool.ring_base(rows)[:, None] + torch.arange(pool.ring_slots), pool.ring_pos[rows]
+        ends = np.array([c.start + c.num_tokens for c in chunks], dtype=np.int64)
+        at = np.arange(int(ends.max()), dtype=np.int64)
+        slots = np.zeros((len(chunks), at.size), dtype=np.int64)
+        for b, c in enumerate(chunks):
+            slots[b, : ends[b]] = pool.paged_slots(c.row, 0, int(ends[b]))
+        pos = np.where(at[None, :] < ends[:, None], at[None, :], -1)
+        return torch.from_numpy(slots), torch.from_numpy(pos)
 
     def _group(self, chunks, offsets, classes, dev) -> _Group:
         pool = self.pool
         tmax = max(c.num_tokens for c in chunks)
-        q_pos = torch.tensor([[c.start + t for t in range(tmax)] for c in chunks], dtype=torch.long)
+        q_pos = torch.tensor([c.start for c in chunks], dtype=torch.long)[:, None] + torch.arange(tmax)
         gather, key_pos = {}, {}
         staged_rows: list[int | None] = []
         for c in chunks:
             st = pool.row(c.row).staging if pool.staged else None
             staged_rows.append(c.row if st is not None and st.num_tokens > 0 else None)
         for paged in {p for p, _ in classes}:
-            res = [self._resident(c, paged) for c in chunks]
-            lres = max(len(s) for s, _ in res)
-            slots = torch.zeros(len(chunks), lres, dtype=torch.long)  # pad -> slot 0 (zeros)
-            pos = torch.full((len(chunks), lres), -1, dtype=torch.long)
-            for b, (s, p) in enumerate(res):
-                slots[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-                pos[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            slots, pos = self._resident(chunks, paged)
             extra = []
             if not paged and len(chunks) == 1 and staged_rows[0] is not None:
                 c = chunks[0]
@@ -119,11 +119,15 @@ class StepAttention:
                 extra.append(q_pos)
             gather[paged] = slots.to(dev)
             key_pos[paged] = torch.cat([pos, *extra], dim=1)  # [B, L]
-        fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None]
+        # A mask is built where SDPA reads it: a multi-token chunk's [T, L] mask on the device
+        # from its T + L positions; one-token rows' [B, 1, L] masks (smaller than their inputs)
+        # on the host. The CPU's query blocks (below) slice the chunk's mask on the host.
+        mdev = dev if tmax > 1 else torch.device("cpu")
+        fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None].to(mdev)
         masks, blocks = {}, {}
         for paged, attn_window in classes:
-            k = key_pos[paged][:, None, :]  # [B, 1, L]
-            q = q_pos[:, :, None]  # [B, T, 1]
+            k = key_pos[paged].to(mdev)[:, None, :]  # [B, 1, L]
+            q = q_pos.to(mdev)[:, :, None]  # [B, T, 1]
             m = (k >= 0) & (k <= q)
             if attn_window is not None:
                 m &= (q - k) < attn_window
@@ -170,8 +174,8 @@ class StepAttention:
         for c, off in zip(self.order, offsets):
             end = c.start + c.num_tokens
             if pool.paged_layers:
-                pw_slots += pool.paged_slots(c.row, c.start, end)
-                pw_src += range(off, off + c.num_tokens)
+                pw_slots.append(pool.paged_slots(c.row, c.start, end))
+                pw_src.append(np.arange(off, off + c.num_tokens, dtype=np.int64))
             if not pool.ring_layers:
                 continue
             if pool.staged and not c.forward_done:
@@ -195,7 +199,8 @@ class StepAttention:
                 as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
                 self.unstage.append((c.row, as_dev(slots), as_dev(idx)))
         as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        self.paged_write = (as_t(pw_slots), as_t(pw_src))
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(dev)  # noqa: E731
+        self.paged_write = (cat(pw_slots), cat(pw_src))
         self.ring_write = (as_t(rw_slots), as_t(rw_src))
 
     # ---- per layer ----------------------------------------------------------------------------

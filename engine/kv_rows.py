@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.kv_policy import LayerLayout, ring_slot
@@ -233,7 +234,7 @@ class RowPool:
         assert state.staging is None, "a row is swapped only between forwards"
         sl = self._ring_range(row)
         host = torch.device("cpu")
-        slots = torch.tensor(self.paged_slots(row, 0, state.kv_len), dtype=torch.long, device=self.device)
+        slots = torch.from_numpy(self.paged_slots(row, 0, state.kv_len)).to(self.device)
         out = SwappedRow(
             kv_len=state.kv_len,
             ring_pos=self.ring_pos[row].clone(),
@@ -253,7 +254,7 @@ class RowPool:
         for i in self.ring_layers:
             self.k[i][sl] = swapped.ring_k[i].to(self.device)
             self.v[i][sl] = swapped.ring_v[i].to(self.device)
-        slots = torch.tensor(self.paged_slots(row, 0, swapped.kv_len), dtype=torch.long, device=self.device)
+        slots = torch.from_numpy(self.paged_slots(row, 0, swapped.kv_len)).to(self.device)
         for i in self.paged_layers:
             self.k[i].index_copy_(0, slots, swapped.paged_k[i].to(self.device))
             self.v[i].index_copy_(0, slots, swapped.paged_v[i].to(self.device))
@@ -268,13 +269,14 @@ class RowPool:
     def kv_len(self, row: int) -> int:
         return self._rows[row].kv_len
 
-    def paged_slots(self, row: int, start: int, end: int) -> list[int]:
-        """Storage slots of positions [start, end) on paged layers (blocks must be reserved); none
-        when the pool has no paged layers."""
+    def paged_slots(self, row: int, start: int, end: int) -> np.ndarray:
+        """Storage slots (int64) of positions [start, end) on paged layers (blocks must be
+        reserved); none when the pool has no paged layers."""
         if not self.paged_layers:
-            return []
-        blocks, bs = self._rows[row].blocks, self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            return np.zeros(0, dtype=np.int64)
+        blocks, bs = np.asarray(self._rows[row].blocks, dtype=np.int64), self.block_size
+        p = np.arange(start, end, dtype=np.int64)
+        return blocks[p // bs] * bs + p % bs
 
     def ring_base(self, row: int) -> int:
         return row * self.ring_slots
