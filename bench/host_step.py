@@ -99,13 +99,13 @@ def main() -> None:
             ms = min(host_ms_per_mixed_step(n, a.prompt_len) for _ in range(a.repeats))
             rows.append({"n": n, "host_ms_per_mixed_step": ms})
             print(f"{n:4} {ms:23.2f}")
-    if not a.prefill:
+    else:
         print(f"{'N':>4} {'ahead':>5} {'host us/step':>13} {'us/row':>8}")
-    for n in a.n if not a.prefill else []:
-        for overlap in a.overlap:
-            us = min(host_us_per_step(n, a.prompt_len, a.steps, overlap == "on") for _ in range(a.repeats))
-            rows.append({"n": n, "overlap": overlap, "host_us_per_step": us, "host_us_per_row": us / n})
-            print(f"{n:4} {overlap:>5} {us:13.0f} {us / n:8.1f}")
+        for n in a.n:
+            for overlap in a.overlap:
+                us = min(host_us_per_step(n, a.prompt_len, a.steps, overlap == "on") for _ in range(a.repeats))
+                rows.append({"n": n, "overlap": overlap, "host_us_per_step": us, "host_us_per_row": us / n})
+                print(f"{n:4} {overlap:>5} {us:13.0f} {us / n:8.1f}")
     result = {"bench": "host_step", "mode": "prefill" if a.prefill else "decode", "device": cpu_name(),
               "prompt_len": a.prompt_len, "steps": a.steps,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
