@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b]
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -26,6 +26,13 @@ case "${2:-}" in
   overlap)  # steps launched ahead of the host against steps applied in order, same run
     run_tests
     python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 64 --overlap on off --out "$OUT" --tag overlap ;;
+  pdl)  # kernels launched with programmatic dependent launch against plain launches, same run
+    python3 -c "import torch; from engine.kernels import launch; print('pdl supported:', launch.supported(torch.device('cuda')))"
+    run_tests
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 64 --pdl on off --out "$OUT" --tag pdl ;;
+  pdl-1b)
+    python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --pdl on off --out "$OUT" --tag pdl
+    python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
   overlap-1b)
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --overlap on off --out "$OUT" --tag overlap
     python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;

@@ -73,6 +73,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
         "kv_bytes_per_session": per_session,
         "layers": "fused" if engine.runner.fused is not None else "stock",
+        "pdl": engine.runner.pdl,
     }
     del engine, dec  # the pool and the captured graphs go before the next run
     if device.startswith("cuda"):
@@ -292,6 +293,9 @@ def main() -> None:
     ap.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
                     help="steady decode steps launched ahead of the host (EngineConfig.overlap_steps; on: "
                          "the CUDA default), or applied in order, or both for an A/B in one run")
+    ap.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["on"],
+                    help="the engine's kernels launched with programmatic dependent launch (EngineConfig.pdl; "
+                         "on where the GPU supports it), or plainly, or both")
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled decode step; its first run per "
                          "shape and N compiles for a minute or more), reported beside the default")
@@ -333,7 +337,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
-    print(f"{'n':>3} {'weights':>8} {'layers':>6} {'ahead':>5} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
+    print(f"{'n':>3} {'weights':>8} {'layers':>6} {'ahead':>5} {'pdl':>4} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
           f"{'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} {'TTFT s':>7} {'HF TTFT s':>9} {'KV B/session':>13}"
           + (f" {'HF static tok/s':>15} {'vs static':>9}" if a.hf_static else ""), flush=True)
     for n in a.n:
@@ -344,15 +348,17 @@ def main() -> None:
         for w, eng in engines.items():
             hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
-            for layers, overlap, policy in [(x, o, p) for x in a.layers for o in a.overlap for p in policies]:
+            for layers, overlap, pdl, policy in [(x, o, d, p) for x in a.layers for o in a.overlap for d in a.pdl
+                                                 for p in policies]:
                 res = run_engine(eng, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
-                                 overlap_steps=overlap == "on")
+                                 overlap_steps=overlap == "on", pdl=pdl == "on")
                 layers = res.pop("layers")
+                pdl = "on" if res.pop("pdl") else "off"  # on: asked for and supported by the device
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
                     floor = n / ((step_weight_bytes(eng.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
-                row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "pdl": pdl, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "hf_static_decode_tok_s": hf_static["decode_tok_s"] if hf_static and w not in hf_for else None,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
@@ -360,7 +366,7 @@ def main() -> None:
                 rate = res["decode_tok_s"] or res["decode_tail_tok_s"]  # no all-rows window: the tail rate
                 vs_floor = f"{rate / floor:>7.3f}x" if floor else f"{'-':>8}"
                 shown = f"{res['decode_tok_s']:>13.1f}" if res["decode_tok_s"] else f"{'(tail) ' + format(rate, '.1f'):>13}"
-                print(f"{n:>3} {label:>8} {layers:>6} {overlap:>5} {policy:>7} {shown} {res['decode_tail_tok_s']:>10.1f} "
+                print(f"{n:>3} {label:>8} {layers:>6} {overlap:>5} {pdl:>4} {policy:>7} {shown} {res['decode_tail_tok_s']:>10.1f} "
                       f"{hf_res['decode_tok_s']:>9.1f} {rate / hf_res['decode_tok_s']:>5.2f}x {vs_floor} "
                       f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}"
                       + (f" {row['hf_static_decode_tok_s']:>15.1f} {rate / row['hf_static_decode_tok_s']:>8.2f}x"

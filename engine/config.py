@@ -48,6 +48,11 @@ class EngineConfig:
     # (fused_forward.py) where the model has the stock structure and plain linears; False, or any
     # other model, runs the stock transformers layers.
     fused_layers: bool = True
+    # Launch the engine's Triton kernels with programmatic dependent launch where the GPU supports
+    # it (compute capability 9.0+, kernels/launch.py): each kernel is scheduled while the one
+    # before it runs and waits on the device for its results, so small decode kernels do not pay
+    # their launch in full. The results are the same either way; False launches them plainly.
+    pdl: bool = True
     # SQLite file that keeps session transcripts (session_db.py): sessions then survive a restart
     # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
     # memory only (rows given up are still rebuilt exactly from the in-memory transcript).

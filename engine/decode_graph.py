@@ -48,9 +48,10 @@ class DecodeBatch:
     IDS, POS, ROWS, PAGED_SLOT, RING_SLOT, SRC = range(6)
 
     def __init__(self, pool: RowPool, size: int, table: torch.Tensor, last: torch.Tensor,
-                 evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+                 evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None, pdl: bool = False) -> None:
         self.pool = pool
         self.size = size
+        self.pdl = pdl  # the attention kernels launched with PDL (kernels/launch.py)
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
         self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
         self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote
@@ -107,12 +108,12 @@ class DecodeBatch:
         if lay.paged:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
-                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot)
+                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, pdl=self.pdl)
         else:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(pool.sink, pool.window),
                                    k_new=k_new, v_new=v_new, store_slot=self.ring_slot,
-                                   evicted=self.evicted[layer] if self.evicted is not None else None)
+                                   evicted=self.evicted[layer] if self.evicted is not None else None, pdl=self.pdl)
         return out.unsqueeze(0)
 
 
@@ -134,9 +135,10 @@ class GraphDecoder:
     of steps launched ahead (`last`, `evicted`, the host copies of their tokens)."""
 
     def __init__(self, forward, pool: RowPool, max_batch: int, max_model_len: int, capture: bool,
-                 undoable: bool = False) -> None:
+                 undoable: bool = False, pdl: bool = False) -> None:
         """`forward(ids, positions, step, logits_index)`: the runner's model forward. `undoable`:
-        ring stores keep what they overwrite, for `RowPool.undo_decode`."""
+        ring stores keep what they overwrite, for `RowPool.undo_decode`. `pdl`: the attention
+        kernels are launched with PDL (the caller checked that the device supports it)."""
         self.forward = forward
         self.pool = pool
         self.max_batch = max_batch
@@ -159,7 +161,8 @@ class GraphDecoder:
         self._fetch_np = [h.numpy() for h in self._fetch_host]
         self._fetch_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._fetch_turn = 0
-        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted) for b in buckets_upto(max_batch)}
+        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted, pdl)
+                        for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per graph: (logits, greedy)

@@ -15,6 +15,11 @@ At a few rows (decode batches up to 8) each product is a matrix-vector product b
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
 projection and row count when the forward is built), that kernel runs it.
 
+With `pdl` (on GPUs that support it, kernels/launch.py) the engine's kernels are launched with
+programmatic dependent launch: each may be scheduled while the kernel before it runs, and waits on
+the device before touching what that kernel writes, so the small kernels of a decode step stop
+paying their launch in full (a `gemv` also reads its first weight tile before that wait).
+
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
 works. Only a model whose every layer has the stock Gemma 3 structure with plain bias-free
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import hf_adapter
+from engine.kernels import launch
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
@@ -94,12 +100,14 @@ def unsupported(model) -> str | None:
     return None
 
 
-def build(model) -> FusedGemma3 | None:
+def build(model, pdl: bool = False) -> FusedGemma3 | None:
+    """The fused forward, or None where the model runs the stock layers. `pdl`: launch the
+    kernels with PDL where the device supports it."""
     why = unsupported(model)
     if why is not None:
         log.info("stock layer forward: %s", why)
         return None
-    return FusedGemma3(model)
+    return FusedGemma3(model, pdl)
 
 
 def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:
@@ -141,12 +149,14 @@ def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
 class FusedDecoder:
     """What the engine's own forwards (Gemma 3 here, Gemma 4 in fused_gemma4.py) take from the
     stock decoder besides its layers: the embedding, the rotary embedding (and, where they match
-    `rope_tables`, its angles for the kernels), the norm epsilon and the final norm."""
+    `rope_tables`, its angles for the kernels), the norm epsilon and the final norm; and whether
+    its kernels are launched with PDL (`pdl`: asked for and supported by the device)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, pdl: bool = False) -> None:
         self.model = model
         base = model.get_decoder()
         cfg = base.config
+        self.pdl = pdl and launch.supported(base.embed_tokens.weight.device)
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
@@ -169,8 +179,8 @@ class FusedDecoder:
 
 class FusedGemma3(FusedDecoder):
     @torch.no_grad()
-    def __init__(self, model) -> None:
-        super().__init__(model)
+    def __init__(self, model, pdl: bool = False) -> None:
+        super().__init__(model, pdl)
         base = model.get_decoder()
         cfg = base.config
         self.layers: list[_Layer] = []
@@ -192,7 +202,7 @@ class FusedGemma3(FusedDecoder):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
         # reads the weight faster than the library's product; measured here, on this GPU
-        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers])
+        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers], pdl=self.pdl)
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})
@@ -200,7 +210,7 @@ class FusedGemma3(FusedDecoder):
     def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
         cfg = self.plans[name].get(x.shape[0])
         w = getattr(L, name)
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg)
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
@@ -210,25 +220,25 @@ class FusedGemma3(FusedDecoder):
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
         tables = self._tables(h, positions)
-        eps = self.eps
-        x = rmsnorm(h, self.layers[0].in_norm, eps)
+        eps, pdl = self.eps, self.pdl
+        x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl)
         for n, L in enumerate(self.layers):
             qkv = self._project(x, L, "wqkv")
             if self.rope is None:
                 cos, sin = tables[L.layer_type]
-                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps)
+                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps, pdl=pdl)
             else:
                 inv_freq, scaling = self.rope[L.layer_type]
                 q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
-                                          L.kv_heads, eps)
+                                          L.kv_heads, eps, pdl=pdl)
             a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             L.scaling, L.softcap)  # [1, T, H, D]
             o = self._project(a.reshape(T, -1), L, "wo")
-            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps)
-            m = gelu_mul(self._project(x, L, "wgu"))
+            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl)
+            m = gelu_mul(self._project(x, L, "wgu"), pdl=pdl)
             d = self._project(m, L, "wd")
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
-            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps)
+            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)

@@ -124,12 +124,13 @@ def unsupported(model) -> str | None:
     return None
 
 
-def build(model) -> FusedGemma4 | None:
+def build(model, pdl: bool = False) -> FusedGemma4 | None:
     """The fused forward, or None where the model runs the stock layers: a model it does not
-    take, or (CUDA) kernels that disagree with their references on its weights."""
+    take, or (CUDA) kernels that disagree with their references on its weights. `pdl`: launch
+    the kernels with PDL where the device supports it."""
     why = unsupported(model)
     if why is None:
-        fused = FusedGemma4(model)
+        fused = FusedGemma4(model, pdl)
         why = fused.kernels_disagree()
         if why is None:
             return fused
@@ -154,8 +155,8 @@ def _experts(layer) -> _Experts | None:
 
 class FusedGemma4(FusedDecoder):
     @torch.no_grad()
-    def __init__(self, model) -> None:
-        super().__init__(model)
+    def __init__(self, model, pdl: bool = False) -> None:
+        super().__init__(model, pdl)
         base = model.get_decoder()
         cfg = base.config
         self.layers: list[_Layer] = []
@@ -180,7 +181,7 @@ class FusedGemma4(FusedDecoder):
                 groups.setdefault((name, tuple(w.shape)), []).append(w)
             if L.experts is not None:
                 groups.setdefault(("router", tuple(L.experts.router.shape)), []).append(L.experts.router)
-        self.plans = {key: plan_gemv(ws) for key, ws in groups.items()}
+        self.plans = {key: plan_gemv(ws, pdl=self.pdl) for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
 
@@ -193,7 +194,7 @@ class FusedGemma4(FusedDecoder):
             return None
         g = torch.Generator(device=self.embed.weight.device).manual_seed(0)
         dtype = self.embed.weight.dtype
-        eps, tol = self.eps, (2e-2 if dtype != torch.float32 else 1e-4)
+        eps, tol, pdl = self.eps, (2e-2 if dtype != torch.float32 else 1e-4), self.pdl
         worst: dict[str, float] = {}
 
         def compare(name, got, want):
@@ -211,7 +212,7 @@ class FusedGemma4(FusedDecoder):
                     h, y = rnd(hidden, 3.0), rnd(hidden)
                     X = L.experts
                     also = () if X is None else (X.pre_norm, X.router_in)
-                    compare("add_rmsnorm", add_rmsnorm(h.clone(), y, L.post_attn, L.pre_ff, eps, 0.0, also),
+                    compare("add_rmsnorm", add_rmsnorm(h.clone(), y, L.post_attn, L.pre_ff, eps, 0.0, also, pdl),
                             fused_ops.add_rmsnorm_ref(h, y, L.post_attn, L.pre_ff, eps, 0.0, also))
                     qkv = rnd(L.wqkv.shape[0])
                     pos = torch.randint(0, 32768, (T,), device=g.device, generator=g)
@@ -219,29 +220,29 @@ class FusedGemma4(FusedDecoder):
                         cos, sin = self.rotary(qkv, pos[None], L.layer_type)
                         tables = (cos[0], sin[0])
                         got = qk_norm_rope(qkv.clone(), L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0,
-                                           True, L.v_from_k)
+                                           True, L.v_from_k, pdl)
                     else:
                         inv, scaling = self.rope[L.layer_type]
                         tables = fused_ops.rope_tables(pos, inv, scaling, dtype)
                         got = qk_norm_rope_at(qkv.clone(), L.q_norm, L.k_norm, pos, inv, scaling, L.heads,
-                                              L.kv_heads, eps, 0.0, True, L.v_from_k)
+                                              L.kv_heads, eps, 0.0, True, L.v_from_k, pdl)
                     compare("qk_norm_rope", got, fused_ops.qk_norm_rope_ref(
                         qkv, L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0, True, L.v_from_k))
                     d, e = rnd(hidden), rnd(hidden)
                     args = (L.post_ff, L.scalar, self.final_norm, eps)
                     if X is None:
-                        compare("layer_out", layer_out(h.clone(), d, None, None, None, *args),
+                        compare("layer_out", layer_out(h.clone(), d, None, None, None, *args, pdl=pdl),
                                 fused_ops.layer_out_ref(h, d, None, None, None, *args))
                         continue
-                    compare("layer_out", layer_out(h.clone(), d, e, X.post_mlp, X.post_norm, *args),
+                    compare("layer_out", layer_out(h.clone(), d, e, X.post_mlp, X.post_norm, *args, pdl=pdl),
                             fused_ops.layer_out_ref(h, d, e, X.post_mlp, X.post_norm, *args))
                     logits = torch.randn(T, X.router.shape[0], device=g.device, generator=g)
-                    w, idx = moe.router_topk(logits, X.top_k, X.per_expert_scale)
+                    w, idx = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
                     w_ref, idx_ref = moe.router_topk_ref(logits, X.top_k, X.per_expert_scale)
                     if not torch.equal(idx.long().sort(1).values, idx_ref.sort(1).values):
                         return "router_topk chose other experts than its reference"
                     x = rnd(hidden)[:2]  # the reference holds float32 copies of each pair's weights
-                    compare("experts", [moe.experts(x, idx[:2], w[:2], X.gate_up, X.down)],
+                    compare("experts", [moe.experts(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
                             [moe.experts_ref(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
         except Exception as exc:  # a kernel that does not compile or launch here
             return f"{type(exc).__name__}: {exc}"
@@ -250,13 +251,13 @@ class FusedGemma4(FusedDecoder):
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg)
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl)
 
     def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         logits = self._project(x_router, X.router, "router")
-        weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale)
+        weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, self.pdl)
         if moe.use_kernels(x):
-            return moe.experts(x, chosen, weights, X.gate_up, X.down)
+            return moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=self.pdl)
         return X.module(x, chosen.long(), weights)
 
     @torch.inference_mode()
@@ -267,32 +268,32 @@ class FusedGemma4(FusedDecoder):
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
         tables = self._tables(h, positions)
-        eps = self.eps
-        x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0)
+        eps, pdl = self.eps, self.pdl
+        x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0, pdl)
         for n, L in enumerate(self.layers):
             qkv = self._project(x, L.wqkv, "wqkv")
             if self.rope is None:
                 cos, sin = tables[L.layer_type]
                 q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps, 0.0, True,
-                                       L.v_from_k)
+                                       L.v_from_k, pdl)
             else:
                 inv_freq, scaling = self.rope[L.layer_type]
                 q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
-                                          L.kv_heads, eps, 0.0, True, L.v_from_k)
+                                          L.kv_heads, eps, 0.0, True, L.v_from_k, pdl)
             a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             L.scaling, None)  # [1, T, H, D]
             o = self._project(a.reshape(T, -1), L.wo, "wo")
             X = L.experts
             if X is None:
-                h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0)
+                h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0, pdl=pdl)
             else:
                 h, x, x_experts, x_router = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0,
-                                                        also=(X.pre_norm, X.router_in))
-            d = self._project(gelu_mul(self._project(x, L.wgu, "wgu")), L.wd, "wd")
+                                                        also=(X.pre_norm, X.router_in), pdl=pdl)
+            d = self._project(gelu_mul(self._project(x, L.wgu, "wgu"), pdl), L.wd, "wd")
             e = None if X is None else self._experts(X, x_router, x_experts)
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = layer_out(h, d, e, X.post_mlp if X else None, X.post_norm if X else None, L.post_ff, L.scalar,
-                             nxt, eps)
+                             nxt, eps, pdl)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)

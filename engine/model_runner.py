@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine import fused_forward, fused_gemma4, hf_adapter
 from engine.attention import ForwardChunk, StepAttention
 from engine.decode_graph import GraphDecoder
+from engine.kernels import launch
 from engine.kernels.rmsnorm import fuse_norms
 from engine.kernels.small_linear import substitute_linears
 from engine.kv_rows import RowPool
@@ -51,20 +52,22 @@ class RunnerInput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
-                 capture: bool = False, fused: bool = True, undoable: bool = False) -> None:
+                 capture: bool = False, fused: bool = True, undoable: bool = False, pdl: bool = True) -> None:
         """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
         of decode_graph.py, captured as CUDA graphs when `capture`; `undoable`: their stores can
         be undone (steps launched ahead of the host). `fused`: the engine's own layer forward
-        (fused_forward.py) where the model allows it, else the stock one."""
+        (fused_forward.py) where the model allows it, else the stock one. `pdl`: the engine's
+        Triton kernels are launched with PDL where the device supports it (kernels/launch.py)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         hf_adapter.use_row_attention(model)
         self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
+        self.pdl = pdl and launch.supported(self.device)
         self.fused = None
         if fused:  # the engine's own forward for the model's family, where it takes the model
             gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
-            self.fused = (fused_gemma4 if gemma4 else fused_forward).build(model)
+            self.fused = (fused_gemma4 if gemma4 else fused_forward).build(model, self.pdl)
         self.forward = self.fused.forward if self.fused is not None else self._stock_forward
         if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)
@@ -72,7 +75,7 @@ class ModelRunner:
             capture = capture and stock_experts_capturable(model)
         self.decoder = None
         if static_decode:
-            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable)
+            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable, self.pdl)
 
     def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
         return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.launch import kernel_args
 
 
 def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
@@ -93,6 +94,8 @@ def _reference(q, k_store, v_store, rows, pos, *, scale, softcap, attn_window, b
 try:  # Triton ships with CUDA builds of torch; the CPU path never needs it
     import triton
     import triton.language as tl
+
+    from engine.kernels.launch import pdl_enter
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -112,12 +115,13 @@ if triton is not None:
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
         BLOCK: tl.constexpr, NEW_APART: tl.constexpr, EXTRA: tl.constexpr, STORE: tl.constexpr,
-        EVICT: tl.constexpr,
+        EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
         """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
         the group. With one split (S == 1) the program finishes the job the merge kernel would:
         the new token, the normalisation, the output and the store (it alone read this row's
         keys of this head)."""
+        pdl_enter(GDC)
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -216,8 +220,9 @@ if triton is not None:
         stride_ob, stride_oh, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_ss, stride_sh, stride_eb, stride_eh, scale, softcap, H, G,
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
-        STORE: tl.constexpr, EVICT: tl.constexpr,
+        STORE: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
+        pdl_enter(GDC)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sidx = tl.arange(0, SP)
@@ -280,7 +285,7 @@ def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
                      block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, evicted=None,
-                     out=None, splits=None, block=None, warps=None, stages=None) -> torch.Tensor:
+                     out=None, splits=None, block=None, warps=None, stages=None, pdl=False) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
     The launch settings default to `launch_for`'s.
     With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
@@ -289,7 +294,8 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     runs. `splits` (at most; a ring takes no more than its blocks), `block` (keys per
     iteration), `warps` and `stages` set the partial kernel's launch. `evicted` (ring layers with
     `store_slot`): a pair of [>= B, Hkv, D] tensors; the store first copies there what each slot
-    held (a step run ahead of the host's verdict undoes its store with them)."""
+    held (a step run ahead of the host's verdict undoes its store with them). `pdl`: both kernels
+    launched with PDL (kernels/launch.py; the caller checked that the device supports it)."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
@@ -331,6 +337,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
         NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, num_warps=warps, num_stages=stages,
+        **kernel_args(pdl),
     )
     if S == 1:
         return out
@@ -339,6 +346,6 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_store.stride(0), k_store.stride(1), ek.stride(0), ek.stride(1), scale, softcap or 0.0, H, G,
         D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None, STORE=store,
-        EVICT=evict, num_warps=4,
+        EVICT=evict, num_warps=4, **kernel_args(pdl),
     )
     return out

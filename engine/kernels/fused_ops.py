@@ -31,10 +31,14 @@ import math
 
 import torch
 
+from engine.kernels.launch import kernel_args
+
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice  # the accurate cos/sin, as torch's (not .approx)
+
+    from engine.kernels.launch import pdl_enter
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -110,7 +114,8 @@ def gelu_mul_ref(gu):
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_rows(X, W, Y, N, eps, offset, BLOCK: tl.constexpr):
+    def _rmsnorm_rows(X, W, Y, N, eps, offset, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -121,7 +126,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm(H, Yin, Wp, Wn, Hout, X, W2, X2, W3, X3, N, eps, offset, BLOCK: tl.constexpr,
-                     NOUT: tl.constexpr):
+                     NOUT: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -147,7 +153,8 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope(QKV, Wq, Wk, V, Cos, Sin, Pos, InvFreq, stride_t, stride_v, stride_c, heads, eps, scaling,
                       offset, D: tl.constexpr, HALF: tl.constexpr, ANGLES: tl.constexpr, VNORM: tl.constexpr,
-                      V_FROM_K: tl.constexpr):
+                      V_FROM_K: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         hd = tl.program_id(1)
         c = tl.arange(0, HALF)
@@ -185,7 +192,9 @@ if triton is not None:
         tl.store(base + HALF + c, (n2 * cs + n1 * sn).to(dt))
 
     @triton.jit
-    def _layer_out(H, Dd, Ee, W1, W2, Wp, Scalar, Wn, X, N, eps, HAS_E: tl.constexpr, BLOCK: tl.constexpr):
+    def _layer_out(H, Dd, Ee, W1, W2, Wp, Scalar, Wn, X, N, eps, HAS_E: tl.constexpr, BLOCK: tl.constexpr,
+                   GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -211,7 +220,8 @@ if triton is not None:
         tl.store(X + row * N + cols, (rf * tl.rsqrt(tl.sum(rf * rf, 0) / N + eps) * wn).to(dt), mask=m)
 
     @triton.jit
-    def _gelu_mul(GU, Out, inter, BLOCK: tl.constexpr):
+    def _gelu_mul(GU, Out, inter, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -227,19 +237,20 @@ def _warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
-    """x [T, N] contiguous."""
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0, pdl: bool = False) -> torch.Tensor:
+    """x [T, N] contiguous. `pdl` (every kernel wrapper here): launch with PDL (kernels/launch.py;
+    the caller checked that the device supports it)."""
     if not _use_triton(x):
         return rmsnorm_ref(x, w, eps, offset)
     y = torch.empty_like(x)
     n = x.shape[-1]
     if x.shape[0]:
         _rmsnorm_rows[(x.shape[0],)](x, w, y, n, eps, float(offset), BLOCK=triton.next_power_of_2(n),
-                                     num_warps=_warps(n))
+                                     num_warps=_warps(n), **kernel_args(pdl))
     return y
 
 
-def add_rmsnorm(h, y, w_post, w_next, eps, offset=1.0, also=()):
+def add_rmsnorm(h, y, w_post, w_next, eps, offset=1.0, also=(), pdl=False):
     """h, y [T, N] contiguous. Returns (h + norm(y; w_post), norm(that; w_next), and its norm by
     each weight of `also` (up to two)); h is updated in place on CUDA (it is the layer stack's
     own residual stream)."""
@@ -253,7 +264,7 @@ def add_rmsnorm(h, y, w_post, w_next, eps, offset=1.0, also=()):
     if h.shape[0]:
         _add_rmsnorm[(h.shape[0],)](h, y, w_post, pad_w[0], h, pad_x[0], pad_w[1], pad_x[1], pad_w[2], pad_x[2], n,
                                     eps, float(offset), BLOCK=triton.next_power_of_2(n), NOUT=len(outs),
-                                    num_warps=_warps(n))
+                                    num_warps=_warps(n), **kernel_args(pdl))
     return (h, *outs)
 
 
@@ -266,7 +277,7 @@ def _qkv_heads(qkv, heads, kv_heads, v_from_k):
 
 
 def _launch_qk_norm_rope(qkv, wq, wk, cos, sin, positions, inv_freq, scaling, heads, kv_heads, eps, offset,
-                         v_norm, v_from_k, angles):
+                         v_norm, v_from_k, angles, pdl):
     x, D = _qkv_heads(qkv, heads, kv_heads, v_from_k)
     T = qkv.shape[0]
     if v_from_k:
@@ -278,22 +289,24 @@ def _launch_qk_norm_rope(qkv, wq, wk, cos, sin, positions, inv_freq, scaling, he
         _qk_norm_rope[(T, heads + kv_heads)](qkv, wq, wk, v, cos, sin, positions, inv_freq, qkv.stride(0),
                                                v.stride(0), cos.stride(0), heads, eps, float(scaling), float(offset),
                                                D=D, HALF=D // 2, ANGLES=angles, VNORM=v_norm or v_from_k,
-                                               V_FROM_K=v_from_k, num_warps=1 if D <= 128 else 2)
+                                               V_FROM_K=v_from_k, num_warps=1 if D <= 128 else 2,
+                                               **kernel_args(pdl))
     return q, k, v
 
 
-def qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset=1.0, v_norm=False, v_from_k=False):
+def qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset=1.0, v_norm=False, v_from_k=False,
+                 pdl=False):
     """See `qk_norm_rope_ref`. On CUDA, Q and K (and V with `v_norm`) are normalised and rotated
     in place in `qkv`, and q, k, v are views of it (v a new tensor with `v_from_k`)."""
     if not _use_triton(qkv):
         return qk_norm_rope_ref(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset, v_norm, v_from_k)
     cos, sin = cos.contiguous(), sin.contiguous()
     return _launch_qk_norm_rope(qkv, wq, wk, cos, sin, cos, cos, 1.0, heads, kv_heads, eps, offset, v_norm,
-                                v_from_k, False)
+                                v_from_k, False, pdl)
 
 
 def qk_norm_rope_at(qkv, wq, wk, positions, inv_freq, scaling, heads, kv_heads, eps, offset=1.0, v_norm=False,
-                    v_from_k=False):
+                    v_from_k=False, pdl=False):
     """`qk_norm_rope` with the RoPE tables of `rope_tables(positions, inv_freq, scaling)`; on
     CUDA the kernel computes their entries itself (no tables)."""
     if not _use_triton(qkv):
@@ -302,10 +315,10 @@ def qk_norm_rope_at(qkv, wq, wk, positions, inv_freq, scaling, heads, kv_heads, 
     assert inv_freq.dtype == torch.float32 and inv_freq.numel() * 2 == qkv.shape[1] // (
         heads + (1 if v_from_k else 2) * kv_heads)
     return _launch_qk_norm_rope(qkv, wq, wk, qkv, qkv, positions, inv_freq, scaling, heads, kv_heads, eps, offset,
-                                v_norm, v_from_k, True)
+                                v_norm, v_from_k, True, pdl)
 
 
-def layer_out(h, d, e, w1, w2, w_post, scalar, w_next, eps):
+def layer_out(h, d, e, w1, w2, w_post, scalar, w_next, eps, pdl=False):
     """See `layer_out_ref`; h [T, N] is updated in place on CUDA."""
     if not _use_triton(h):
         return layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps)
@@ -315,11 +328,11 @@ def layer_out(h, d, e, w1, w2, w_post, scalar, w_next, eps):
         has_e = e is not None
         _layer_out[(h.shape[0],)](h, d, e if has_e else d, w1 if has_e else w_post, w2 if has_e else w_post, w_post,
                                   scalar, w_next, x, n, eps, HAS_E=has_e, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=_warps(n))
+                                  num_warps=_warps(n), **kernel_args(pdl))
     return h, x
 
 
-def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
+def gelu_mul(gu: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """gu [T, 2I] contiguous -> gelu_tanh(gu[:, :I]) * gu[:, I:]."""
     if not _use_triton(gu):
         return gelu_mul_ref(gu)
@@ -328,5 +341,5 @@ def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, inter), dtype=gu.dtype, device=gu.device)
     block = 1024
     if T:
-        _gelu_mul[(T, math.ceil(inter / block))](gu, out, inter, BLOCK=block, num_warps=4)
+        _gelu_mul[(T, math.ceil(inter / block))](gu, out, inter, BLOCK=block, num_warps=4, **kernel_args(pdl))
     return out

@@ -26,9 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.launch import kernel_args
+
 try:
     import triton
     import triton.language as tl
+
+    from engine.kernels.launch import pdl_enter
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -61,7 +65,8 @@ def experts_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
 if triton is not None:
 
     @triton.jit
-    def _router_topk(Logits, Scale, Wout, Iout, E, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _router_topk(Logits, Scale, Wout, Iout, E, K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < E
@@ -85,7 +90,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_gate_up(X, Experts, GU, Act, H, inter, stride_ge, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         p = tl.program_id(0).to(tl.int64)  # one (token, expert) pair
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < inter
@@ -112,7 +118,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_down(Act, Experts, Weights, D, Y, H, inter, stride_de, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < H
@@ -134,9 +141,10 @@ if triton is not None:
 
     @triton.jit
     def _expert_down_pairs(Act, Experts, Weights, D, Part, H, inter, stride_de, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
         """`_expert_down` split by pair: each program one pair's rows, weighted, into a float32
         partial (more, smaller programs; `_sum_pairs` adds each token's k partials in order)."""
+        pdl_enter(GDC)
         p = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < H
@@ -153,7 +161,8 @@ if triton is not None:
         tl.store(Part + p * H + rn, y, mask=nm)
 
     @triton.jit
-    def _sum_pairs(Part, Y, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_pairs(Part, Y, H, K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+        pdl_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < H
@@ -171,8 +180,9 @@ def use_kernels(x: torch.Tensor) -> bool:
     return _use_triton(x) and x.shape[0] <= MAX_TOKENS
 
 
-def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor):
-    """See `router_topk_ref`; on CUDA the experts come back as int32."""
+def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor, pdl: bool = False):
+    """See `router_topk_ref`; on CUDA the experts come back as int32. `pdl` (here and in
+    `experts`): launched with PDL (kernels/launch.py; the caller checked the device)."""
     if not _use_triton(logits):
         return router_topk_ref(logits, top_k, per_expert_scale)
     T, E = logits.shape
@@ -181,7 +191,7 @@ def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
     idx = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
     if T:
         _router_topk[(T,)](logits, per_expert_scale, w, idx, E, K=top_k, BLOCK=triton.next_power_of_2(E),
-                           num_warps=1)
+                           num_warps=1, **kernel_args(pdl))
     return w, idx
 
 
@@ -193,7 +203,8 @@ DOWN = dict(block_n=8, block_k=256, warps=4, split=True)  # split: per pair, the
 
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, gate_up_launch: dict | None = None, down_launch: dict | None = None) -> torch.Tensor:
+            down: torch.Tensor, gate_up_launch: dict | None = None, down_launch: dict | None = None,
+            pdl: bool = False) -> torch.Tensor:
     """See `experts_ref` (CUDA, up to MAX_TOKENS tokens). The launches default to GATE_UP and
     DOWN (`python -m bench.tune_kernels --experts` times others). The pairs' programs run in
     token order: sorted by expert (pairs sharing an expert side by side) was 10% slower at 8
@@ -210,15 +221,15 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
     if T:
         _expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
             x, idx, gate_up, act, H, inter, gate_up.stride(0), K=k, BLOCK_N=GU["block_n"], BLOCK_K=GU["block_k"],
-            num_warps=GU["warps"])
+            num_warps=GU["warps"], **kernel_args(pdl))
         if DN.get("split"):
             part = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
             _expert_down_pairs[(T * k, triton.cdiv(H, DN["block_n"]))](
                 act, idx, wts, down, part, H, inter, down.stride(0), BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"],
-                num_warps=DN["warps"])
-            _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4)
+                num_warps=DN["warps"], **kernel_args(pdl))
+            _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **kernel_args(pdl))
         else:
             _expert_down[(T, triton.cdiv(H, DN["block_n"]))](
                 act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DN["block_n"],
-                BLOCK_K=DN["block_k"], num_warps=DN["warps"])
+                BLOCK_K=DN["block_k"], num_warps=DN["warps"], **kernel_args(pdl))
     return y

@@ -19,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.launch import kernel_args
+
 try:
     import triton
     import triton.language as tl
+
+    from engine.kernels.launch import pdl_enter
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -68,14 +72,23 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, MP)
         nm = rn < N
         mm = rm < M
         acc = tl.zeros([MP, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
+            rk = tl.arange(0, BLOCK_K)
+            km = rk < K
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            pdl_enter(GDC)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            k_first = BLOCK_K
+        for k0 in range(k_first, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             km = rk < K
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -111,16 +124,19 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tenso
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
-         stages: int = 3) -> torch.Tensor:
+         stages: int = 3, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (a few rows, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype, one
     kernel: each program streams `block_n` weight rows once for all M rows (no split, no reduce
-    pass), so a matrix-vector product of a few MB is one launch that reads its weight once."""
+    pass), so a matrix-vector product of a few MB is one launch that reads its weight once.
+    `pdl` (kernels/launch.py): launched early, each program reads its first weight tile while
+    the kernel before it finishes, and only then waits for x."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **kernel_args(pdl))
     return y
 
 
@@ -192,10 +208,11 @@ GEMV_ROWS = (1, 2, 4, 8)
 
 
 @torch.no_grad()
-def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS) -> dict[int, dict]:
+def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl: bool = False) -> dict[int, dict]:
     """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
     (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
-    between calls), timed from a CUDA graph. Row counts where the library is fastest are absent."""
+    between calls), timed from a CUDA graph, launched with PDL when `pdl` (as the forward will
+    launch it). Row counts where the library is fastest are absent."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     w0 = weights[0]
@@ -204,7 +221,7 @@ def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS) ->
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
         best = graph_ms(lambda: [F.linear(x, w) for w in weights], reps=3)
         for cfg in GEMV_CANDIDATES:
-            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg) for w in weights], reps=3)
+            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
             if t < best:
                 best, plan[m] = t, cfg
     return plan

@@ -270,12 +270,14 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
         w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
         want = F.linear(x.double(), w.double())
         for cfg in GEMV_CANDIDATES:
-            err = ((gemv(x, w, **cfg).double() - want).norm() / want.norm()).item()
-            assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, err)
+            for pdl in (False, True):  # with PDL the first weight tile is read before the wait
+                err = ((gemv(x, w, **cfg, pdl=pdl).double() - want).norm() / want.norm()).item()
+                assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, pdl, err)
     weights = [torch.randn(2048, 2560, device="cuda", generator=gen).to(dtype) for _ in range(8)]
-    plan = plan_gemv(weights)
-    print(f"{dtype}: gemv plan for 2048x2560: {plan}")
-    assert set(plan) <= set(GEMV_ROWS) and all(cfg in GEMV_CANDIDATES for cfg in plan.values())
+    for pdl in (False, True):
+        plan = plan_gemv(weights, pdl=pdl)
+        print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}): {plan}")
+        assert set(plan) <= set(GEMV_ROWS) and all(cfg in GEMV_CANDIDATES for cfg in plan.values())
 
 
 def test_substituted_linears_keep_model_outputs():
@@ -488,38 +490,63 @@ def test_cuda_fused_forward_equals_stock_forward(policy, family):
     experts decode uncaptured, see `stock_experts_capturable`): float32 logits agree to float
     rounding; bf16 greedy tokens agree up to rounding-driven divergence. Gemma 4: a mixture of
     experts on the MoE kernels (decode steps and prefill chunks up to 64 tokens)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        prefix, total, diff = compare_tiny_engines(family, dtype, policy, "fused_layers", check=lambda engine, fused: (
+            # the fused forward computes RoPE in its kernel (this transformers' tables matched)
+            (engine.runner.fused is not None) == fused and (not fused or engine.runner.fused.rope is not None)))
+        print(f"{family} {policy} {dtype}: {prefix}/{total} tokens equal; max |logit diff| {diff:.2e}")
+        if dtype == torch.float32:
+            assert prefix == total and diff < 1e-3
+        else:
+            assert prefix >= 0.9 * total
+
+
+def compare_tiny_engines(family: str, dtype, policy: str, knob: str, check) -> tuple[int, int, float]:
+    """Two engines on the same tiny random model (graphs), one with EngineConfig `knob` True and
+    one with it False, over 4 greedy requests of 48 tokens joining at different steps: (tokens
+    equal before each row's first difference, tokens in all, max |logit diff| over the steps both
+    recorded). `check(engine, value)` must hold for each engine."""
     from tests.engine.test_resume import Recorder
     from tests.helpers import tiny_gemma4
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 130, 77)]
-    for dtype in (torch.float32, torch.bfloat16):
-        outs, recs = {}, {}
-        for fused in (True, False):
-            if family == "gemma3":
-                model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
-                                          num_attention_heads=4, num_key_value_heads=1).cuda()
-            else:
-                model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256).to("cuda", dtype)
-            cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], kv_policy=policy,
-                               kv_sink=2, kv_window=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 24,
-                               max_rows=8, fused_layers=fused)
-            engine = Engine(cfg, LoadedModel(model, None, "tiny"))
-            assert (engine.runner.fused is not None) == fused
-            # the fused forward computes RoPE in its kernel (this transformers' tables matched)
-            assert not fused or engine.runner.fused.rope is not None
-            recs[fused] = Recorder(engine)
-            outs[fused] = run_all(engine, [Request(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts)],
-                                  {"r1": 3, "r2": 9})
-            engine.check_invariants()
-        prefix = equal_prefix((outs[True][r], outs[False][r]) for r in outs[True])
-        common = recs[True].logits.keys() & recs[False].logits.keys()
-        diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
-        print(f"{family} {policy} {dtype}: {prefix}/{48 * len(prompts)} tokens equal; max |logit diff| {diff:.2e}")
-        if dtype == torch.float32:
-            assert outs[True] == outs[False] and diff < 1e-3
+    outs, recs = {}, {}
+    for value in (True, False):
+        if family == "gemma3":
+            model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
+                                      num_attention_heads=4, num_key_value_heads=1).cuda()
         else:
-            assert prefix >= 0.9 * 48 * len(prompts)
+            model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256).to("cuda", dtype)
+        cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], kv_policy=policy,
+                           kv_sink=2, kv_window=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 24,
+                           max_rows=8, **{knob: value})
+        engine = Engine(cfg, LoadedModel(model, None, "tiny"))
+        assert check(engine, value)
+        recs[value] = Recorder(engine)
+        outs[value] = run_all(engine, [Request(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts)],
+                              {"r1": 3, "r2": 9})
+        engine.check_invariants()
+    prefix = equal_prefix((outs[True][r], outs[False][r]) for r in outs[True])
+    common = recs[True].logits.keys() & recs[False].logits.keys()
+    diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
+    return prefix, 48 * len(prompts), diff
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_cuda_pdl_launches_change_nothing(family):
+    """Kernels launched with programmatic dependent launch (the default on Hopper) against plain
+    launches, on captured graphs: each PDL kernel waits for its predecessor before touching what
+    it writes, so tokens and logits are those of plain launches (a kernel that read or wrote too
+    early would race with the one before it and show here as wrong logits)."""
+    from engine.kernels import launch
+
+    assert launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    for dtype in (torch.float32, torch.bfloat16):
+        prefix, total, diff = compare_tiny_engines(family, dtype, "s5", "pdl", check=lambda engine, pdl: (
+            engine.runner.pdl == pdl and engine.runner.fused is not None and engine.runner.fused.pdl == pdl))
+        print(f"{family} {dtype}: {prefix}/{total} tokens equal; max |logit diff| {diff:.2e}")
+        assert prefix == total and diff < (1e-4 if dtype == torch.float32 else 5e-2)
 
 
 @pytest.mark.parametrize("policy", ["s5", "native"])

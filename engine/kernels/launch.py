@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for the engine's Triton kernels.
+
+At decode batch sizes most kernels of a step are small: a norm of one hidden vector, attention
+over a few blocks, a projection of a few MB. Launched plainly, each starts only once the kernel
+before it has finished and its writes have landed, and then pays its own block scheduling and
+prologue. On Hopper and newer GPUs a kernel launched with PDL may be scheduled while the kernel
+before it in the stream is still running; it then waits on the device (`griddepcontrol.wait`)
+for that kernel to finish and flush.
+
+Every kernel that takes `GDC` does that wait before it touches any memory a kernel before it may
+write or read (`pdl_enter`, its first statement, or after reading only weights, which no kernel
+of a step writes), and then lets the next kernel be scheduled. So the memory effects of a step
+happen in exactly the stream's order, graph-captured or not; what overlaps is the next kernel's
+launch and prologue with the end of this one. A kernel after one that was not launched this way
+(a library matrix product) just waits for it as usual.
+
+`kernel_args(on)` gives the launch keywords: none when PDL is off or the GPU or Triton cannot do
+it, so the kernels compile and run exactly as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+
+def _triton_has_gdc() -> bool:
+    try:
+        import triton.language.extra.cuda as cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched with PDL (a CUDA GPU of compute capability 9.0
+    or newer, and a Triton that has the grid-dependency instructions)."""
+    if device.type != "cuda" or not _triton_has_gdc():
+        return False
+    return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def kernel_args(on: bool) -> dict:
+    """Launch keywords for a kernel that takes `GDC`: PDL on (the caller checked `supported`)."""
+    return {"GDC": True, "launch_pdl": True} if on else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_enter(GDC: tl.constexpr):
+        """Wait for the kernel before this one to finish (its writes visible), then let the next
+        one be scheduled. A no-op without `GDC`, or when the kernel was launched plainly."""
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
