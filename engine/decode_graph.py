@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.kernels import launch
 from engine.kernels.decode_attention import decode_attention
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
@@ -51,7 +52,7 @@ class DecodeBatch:
                  evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None, pdl: bool = False) -> None:
         self.pool = pool
         self.size = size
-        self.pdl = pdl  # the attention kernels launched with PDL (kernels/launch.py)
+        self.pdl = pdl and launch.worthwhile(size)  # the attention kernels launched with PDL (kernels/launch.py)
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
         self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
         self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote

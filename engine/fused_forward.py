@@ -18,7 +18,8 @@ projection and row count when the forward is built), that kernel runs it.
 With `pdl` (on GPUs that support it, kernels/launch.py) the engine's kernels are launched with
 programmatic dependent launch: each may be scheduled while the kernel before it runs, and waits on
 the device before touching what that kernel writes, so the small kernels of a decode step stop
-paying their launch in full (a `gemv` also reads its first weight tile before that wait).
+paying their launch in full (a `gemv` also reads its first weight tile before that wait). Only
+forwards of up to `launch.MAX_TOKENS` tokens do this; larger ones measured slower with it.
 
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
@@ -166,6 +167,10 @@ class FusedDecoder:
         with torch.inference_mode():
             self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
 
+    def pdl_for(self, tokens: int) -> bool:
+        """Whether a forward (or product) of `tokens` tokens launches its kernels with PDL."""
+        return self.pdl and launch.worthwhile(tokens)
+
     def _tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
         """Per layer type, the module's RoPE tables (cos, sin [T, D]) where the kernels cannot
         compute their entries themselves (`rope` None); else empty."""
@@ -210,7 +215,7 @@ class FusedGemma3(FusedDecoder):
     def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
         cfg = self.plans[name].get(x.shape[0])
         w = getattr(L, name)
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl)
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl_for(x.shape[0]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
@@ -220,7 +225,7 @@ class FusedGemma3(FusedDecoder):
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
         tables = self._tables(h, positions)
-        eps, pdl = self.eps, self.pdl
+        eps, pdl = self.eps, self.pdl_for(T)
         x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl)
         for n, L in enumerate(self.layers):
             qkv = self._project(x, L, "wqkv")

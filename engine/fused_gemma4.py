@@ -34,8 +34,7 @@ from torch import nn
 from engine import hf_adapter
 from engine.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
 from engine.kernels.rmsnorm import FusedRMSNorm
-from engine.kernels import moe
-from engine.kernels import fused_ops
+from engine.kernels import fused_ops, moe
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
 from engine.kernels.small_linear import gemv, plan_gemv
 
@@ -251,13 +250,14 @@ class FusedGemma4(FusedDecoder):
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl)
+        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl_for(x.shape[0]))
 
     def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         logits = self._project(x_router, X.router, "router")
-        weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, self.pdl)
+        pdl = self.pdl_for(x.shape[0])
+        weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
         if moe.use_kernels(x):
-            return moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=self.pdl)
+            return moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
         return X.module(x, chosen.long(), weights)
 
     @torch.inference_mode()
@@ -268,7 +268,7 @@ class FusedGemma4(FusedDecoder):
         T = input_ids.shape[0]
         h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
         tables = self._tables(h, positions)
-        eps, pdl = self.eps, self.pdl
+        eps, pdl = self.eps, self.pdl_for(T)
         x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0, pdl)
         for n, L in enumerate(self.layers):
             qkv = self._project(x, L.wqkv, "wqkv")

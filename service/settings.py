@@ -67,6 +67,9 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
                         "('none': sessions live in memory only)")
     p.add_argument("--keep-alive", type=float, default=_env("KEEP_ALIVE", 75.0, float),
                    help="seconds an idle HTTP connection stays open (keep above clients' pool expiry)")
+    p.add_argument("--pdl", default=_env("PDL", "on"), choices=["on", "off"],
+                   help="launch the engine's GPU kernels with programmatic dependent launch where the GPU "
+                        "supports it (small decode batches; results are the same either way)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     a = p.parse_args(argv)
@@ -78,7 +81,7 @@ def parse_serve_args(argv: list[str] | None = None) -> Settings:
         kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         quantization=quantization, swap_bytes=a.swap_bytes,
-        session_db=None if a.session_db.lower() in ("", "none") else a.session_db,
+        session_db=None if a.session_db.lower() in ("", "none") else a.session_db, pdl=a.pdl == "on",
     )
     keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
     return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,

@@ -12,3 +12,11 @@ def test_explicit_and_non_cpu_choices():
     assert parse_serve_args(["--dtype", "bfloat16"]).engine.quantization is None
     assert parse_serve_args(["--device", "cuda"]).engine.quantization is None
     assert parse_serve_args(["--device", "cuda", "--quantization", "bnb-4bit"]).engine.quantization == "bnb-4bit"
+
+
+def test_pdl_flag_and_environment(monkeypatch):
+    assert parse_serve_args([]).engine.pdl is True
+    assert parse_serve_args(["--pdl", "off"]).engine.pdl is False
+    monkeypatch.setenv("S5_PDL", "off")
+    assert parse_serve_args([]).engine.pdl is False
+    assert parse_serve_args(["--pdl", "on"]).engine.pdl is True
