@@ -29,7 +29,8 @@ case "${2:-}" in
   pdl)  # kernels launched with programmatic dependent launch against plain launches, same run
     python3 -c "import torch; from engine.kernels import launch; print('pdl supported:', launch.supported(torch.device('cuda')))"
     run_tests
-    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 64 --pdl on off --out "$OUT" --tag pdl ;;
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 1 8 --pdl on off --out "$OUT" --tag pdl
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --n 64 --out "$OUT" --tag pdl-n64 ;;
   pdl-1b)
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --pdl on off --out "$OUT" --tag pdl
     python3 -m bench.profile_decode --shape gemma3-4b --n 1 64 2>&1 | grep -A24 "^N=" ;;
