@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import launch
 from engine.kernels.decode_attention import decode_attention
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
@@ -52,7 +51,7 @@ class DecodeBatch:
                  evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None, pdl: bool = False) -> None:
         self.pool = pool
         self.size = size
-        self.pdl = pdl and launch.worthwhile(size)  # the attention kernels launched with PDL (kernels/launch.py)
+        self.pdl = pdl  # the attention kernels launched with PDL (kernels/launch.py)
         self.table = table  # [num_rows + 1, max_blocks] int32, the decoder's block-table mirror
         self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
         self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote
@@ -136,10 +135,10 @@ class GraphDecoder:
     of steps launched ahead (`last`, `evicted`, the host copies of their tokens)."""
 
     def __init__(self, forward, pool: RowPool, max_batch: int, max_model_len: int, capture: bool,
-                 undoable: bool = False, pdl: bool = False) -> None:
+                 undoable: bool = False, pdl=None) -> None:
         """`forward(ids, positions, step, logits_index)`: the runner's model forward. `undoable`:
-        ring stores keep what they overwrite, for `RowPool.undo_decode`. `pdl`: the attention
-        kernels are launched with PDL (the caller checked that the device supports it)."""
+        ring stores keep what they overwrite, for `RowPool.undo_decode`. `pdl(size)`: whether a
+        batch of `size` lanes launches its attention kernels with PDL (None: never)."""
         self.forward = forward
         self.pool = pool
         self.max_batch = max_batch
@@ -162,7 +161,7 @@ class GraphDecoder:
         self._fetch_np = [h.numpy() for h in self._fetch_host]
         self._fetch_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._fetch_turn = 0
-        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted, pdl)
+        self.batches = {b: DecodeBatch(pool, b, self.table, self.last, self.evicted, pdl is not None and pdl(b))
                         for b in buckets_upto(max_batch)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # steps run here (graph replays, or uncaptured static steps)

@@ -19,7 +19,7 @@ With `pdl` (on GPUs that support it, kernels/launch.py) the engine's kernels are
 programmatic dependent launch: each may be scheduled while the kernel before it runs, and waits on
 the device before touching what that kernel writes, so the small kernels of a decode step stop
 paying their launch in full (a `gemv` also reads its first weight tile before that wait). Only
-forwards of up to `launch.MAX_TOKENS` tokens do this; larger ones measured slower with it.
+small forwards do this (`launch.worthwhile`); larger ones measured slower with it.
 
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
@@ -169,7 +169,7 @@ class FusedDecoder:
 
     def pdl_for(self, tokens: int) -> bool:
         """Whether a forward (or product) of `tokens` tokens launches its kernels with PDL."""
-        return self.pdl and launch.worthwhile(tokens)
+        return self.pdl and launch.worthwhile(tokens, self.embed.weight.shape[1])
 
     def _tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
         """Per layer type, the module's RoPE tables (cos, sin [T, D]) where the kernels cannot

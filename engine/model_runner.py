@@ -75,7 +75,9 @@ class ModelRunner:
             capture = capture and stock_experts_capturable(model)
         self.decoder = None
         if static_decode:
-            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable, self.pdl)
+            hidden = model.get_input_embeddings().weight.shape[1]
+            self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable,
+                                        lambda size: self.pdl and launch.worthwhile(size, hidden))
 
     def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
         return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)

@@ -14,10 +14,14 @@ happen in exactly the stream's order, graph-captured or not; what overlaps is th
 launch and prologue with the end of this one. A kernel after one that was not launched this way
 (a library matrix product) just waits for it as usual.
 
-It pays only for small forwards. On an H200 (decode-1238, random-weight Gemma-3 shapes, same run,
-bench/results/throughput-cuda-gemma3-{1b,4b}-2026-12-01-pdl*.json) decode with PDL against plain
-launches ran 1B: +11% at 1 row, +5% at 8, +1% at 16, -8% at 32, -6% at 64; 4B: +4% at 1 row, -1%
-at 64. So a forward of more than `MAX_TOKENS` tokens launches plainly (`worthwhile`).
+It pays only for small forwards, and where it stops paying depends on the model's width. On an
+H200 (decode-1238, random-weight Gemma-3 shapes, both ways in one run each,
+bench/results/throughput-cuda-gemma3-{1b,4b}-2026-12-01-pdl*.json), decode with PDL against plain
+launches ran
+  1B (hidden 1152): +11% at 1 row, +11% at 2, +10% at 4, +5% at 8, +1% at 16, -8% at 32, -6% at 64
+  4B (hidden 2560): +4% at 1 row, +3% at 2, +1% at 4, -2% at 8 (twice), -1% at 64
+so a forward launches with PDL while its hidden states are at most `MAX_ACTIVATIONS` values
+(tokens x hidden; `worthwhile`), which keeps every measured gain and none of the losses.
 
 `kernel_args(on)` gives the launch keywords: none when PDL is off or the GPU or Triton cannot do
 it, so the kernels compile and run exactly as before.
@@ -57,12 +61,13 @@ def supported(device: torch.device) -> bool:
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-MAX_TOKENS = 16  # the largest forward (tokens, i.e. decode rows) launched with PDL
+MAX_ACTIVATIONS = 16384  # the largest forward launched with PDL: tokens x hidden size
 
 
-def worthwhile(tokens: int) -> bool:
-    """Whether a forward of `tokens` tokens gains from PDL (see the module docstring)."""
-    return tokens <= MAX_TOKENS
+def worthwhile(tokens: int, hidden: int) -> bool:
+    """Whether a forward of `tokens` tokens of a model `hidden` wide gains from PDL (see the
+    module docstring)."""
+    return tokens * hidden <= MAX_ACTIVATIONS
 
 
 def kernel_args(on: bool) -> dict:
