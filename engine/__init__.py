@@ -16,7 +16,7 @@ Map of the package (one owner per resource, data flows top to bottom):
     decode_graph.py  decode-only steps as fixed-size batches, replayed from CUDA graphs on CUDA
     quant.py         int8 linear layers for the CPU (module substitution)
     kernels/         q8_matmul.c (CPU int8), decode_attention / fused_ops / moe / rmsnorm /
-                     small_linear (Triton)
+                     small_linear (Triton), launch (programmatic dependent launch)
     sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
     detokenizer.py   incremental UTF-8-safe detokenization and stop strings
     passkey.py       passkey-retrieval prompts for recall tests and benchmarks
