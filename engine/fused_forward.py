@@ -207,7 +207,7 @@ class FusedGemma3(FusedDecoder):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
         # reads the weight faster than the library's product; measured here, on this GPU
-        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers], pdl=self.pdl)
+        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers], pdl_for=self.pdl_for)
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})

@@ -208,17 +208,18 @@ GEMV_ROWS = (1, 2, 4, 8)
 
 
 @torch.no_grad()
-def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl: bool = False) -> dict[int, dict]:
+def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl_for=None) -> dict[int, dict]:
     """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
     (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
-    between calls), timed from a CUDA graph, launched with PDL when `pdl` (as the forward will
-    launch it). Row counts where the library is fastest are absent."""
+    between calls), timed from a CUDA graph, launched with PDL where `pdl_for(rows)` says the
+    forward will launch it so. Row counts where the library is fastest are absent."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     w0 = weights[0]
     plan = {}
     for m in rows:
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+        pdl = pdl_for is not None and pdl_for(m)
         best = graph_ms(lambda: [F.linear(x, w) for w in weights], reps=3)
         for cfg in GEMV_CANDIDATES:
             t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl) for w in weights], reps=3)

@@ -275,7 +275,7 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, pdl, err)
     weights = [torch.randn(2048, 2560, device="cuda", generator=gen).to(dtype) for _ in range(8)]
     for pdl in (False, True):
-        plan = plan_gemv(weights, pdl=pdl)
+        plan = plan_gemv(weights, pdl_for=lambda rows: pdl)
         print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}): {plan}")
         assert set(plan) <= set(GEMV_ROWS) and all(cfg in GEMV_CANDIDATES for cfg in plan.values())
 
