@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.kernels.decode_attention import decode_attention
+from engine.kernels.graphs import capturing
 from engine.kv_policy import ring_slot
 from engine.kv_rows import RowPool
 from engine.sampler import greedy_tokens
@@ -196,7 +197,7 @@ class GraphDecoder:
                     self._forward(batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
+            with capturing(graph, pool=mempool):
                 self.outputs[size] = self._forward(batch)
             graph.replay()  # a graph's first launch uploads it to the device (ms): not in a served step
             self.graphs[size] = graph

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.graphs import capturing
 from engine.kernels.launch import kernel_args
 
 try:
@@ -237,7 +238,7 @@ def graph_ms(fn, reps: int = 20) -> float:
         fn()  # compiles
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         for _ in range(reps):
             fn()
     graph.replay()

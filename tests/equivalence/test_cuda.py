@@ -561,3 +561,36 @@ def test_cuda_overlap_equals_plain_order(policy):
     seen = check_turns_with_stops("cuda", policy, sessions=1, stateless=0, rounds=20, atol=1e-4)
     print(policy, seen)
     assert seen["undone_session_rows"] >= 2 and seen["stopped_mid"] >= 1
+
+
+def test_graph_capture_keeps_the_garbage_collector_out():
+    """A dropped object in a reference cycle that holds a CUDA graph is freed by the collector,
+    and freeing a graph during a capture invalidates that capture. `capturing` pauses the
+    collector: cyclic garbage made before a capture survives the allocations inside it (enough to
+    set the collector off), the capture ends and replays, and the collector is back on after."""
+    import gc
+
+    from engine.kernels.graphs import capturing
+
+    x = torch.zeros(8, device="cuda")
+
+    def drop_a_cycle_holding_a_graph():
+        holder = {}
+        holder["self"] = holder
+        holder["graph"] = g = torch.cuda.CUDAGraph()
+        with capturing(g):
+            x.add_(1)
+
+    gc.collect()
+    drop_a_cycle_holding_a_graph()
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        assert not gc.isenabled()
+        junk = [[i] for i in range(100_000)]  # far past the collector's thresholds
+        y = x * 2
+    assert gc.isenabled() and len(junk) == 100_000
+    x.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 6.0))
+    gc.collect()
