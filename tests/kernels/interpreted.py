@@ -126,7 +126,7 @@ def main() -> None:
     fused = fused_gemma4.build(tiny_gemma4(4))
     assert type(fused).__name__ == "FusedGemma4" and fused.kernels_disagree() is None
     good = moe.experts
-    moe.experts = lambda *a: good(*a) * 1.5
+    moe.experts = lambda *a, **kw: good(*a, **kw) * 1.5
     assert "experts" in (fused.kernels_disagree() or "")
     moe.experts = good
     same, diff, steps = check_forward()
