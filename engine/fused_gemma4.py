@@ -205,6 +205,7 @@ class FusedGemma4(FusedDecoder):
             for L in {L.layer_type: L for L in self.layers}.values():
                 for T in (1, 8):
                     pdl = self.pdl_for(T)  # the kernels as a forward of T tokens launches them
+
                     def rnd(n, scale=1.0):
                         return (torch.randn(T, n, device=g.device, generator=g) * scale).to(dtype)
 

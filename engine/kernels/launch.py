@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
 
+@functools.cache
 def _triton_has_gdc() -> bool:
     try:
         import triton.language.extra.cuda as cuda
@@ -70,9 +71,15 @@ def worthwhile(tokens: int, hidden: int) -> bool:
     return tokens * hidden <= MAX_ACTIVATIONS
 
 
+_PDL_ARGS = {"GDC": True, "launch_pdl": True}
+_PLAIN_ARGS: dict = {}
+
+
 def kernel_args(on: bool) -> dict:
-    """Launch keywords for a kernel that takes `GDC`: PDL on (the caller checked `supported`)."""
-    return {"GDC": True, "launch_pdl": True} if on else {}
+    """Launch keywords for a kernel that takes `GDC`: PDL on (the caller checked `supported`).
+    The same two dicts every time (eager steps launch thousands of kernels); callers unpack them
+    and never change them."""
+    return _PDL_ARGS if on else _PLAIN_ARGS
 
 
 if triton is not None:
