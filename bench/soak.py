@@ -27,14 +27,17 @@ import httpx
 import uvicorn
 
 from engine import EngineConfig
-from engine.model_loader import load_model
 from service.app import create_app
 from service.settings import Settings
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def rss_bytes(pids: list[int | str] = ("self",)) -> int:
+    """Resident bytes of these processes together (the front end and its engine process)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/statm") as f:
+            total += int(f.read().split()[1]) * resource.getpagesize()
+    return total
 
 
 def free_port() -> int:
@@ -152,9 +155,8 @@ def main() -> None:
     # a small swap budget: idle sessions' rows go to host memory first, then are given up and rebuilt
     cfg = EngineConfig(model=a.model, max_rows=a.rows, kv_cache_bytes=64 << 20, session_db=db,
                        swap_bytes=a.swap_bytes)
-    loaded = load_model(cfg)
     settings = Settings(engine=cfg, port=free_port(), max_queued=4 * a.rows)
-    app = create_app(settings, loaded)
+    app = create_app(settings)
     state = app.state.s5
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -165,8 +167,9 @@ def main() -> None:
             raise SystemExit(state.load_error)
         time.sleep(0.1)
 
-    soak = Soak(url, random.Random(a.seed), min(loaded.model.config.vocab_size, 2000))
-    rss = {"start": rss_bytes()}
+    soak = Soak(url, random.Random(a.seed), min(state.engine.info.vocab_size, 2000))
+    procs = ["self", state.engine.pid]
+    rss = {"start": rss_bytes(procs)}
     t0 = time.monotonic()
 
     async def run() -> None:
@@ -174,26 +177,25 @@ def main() -> None:
 
         async def mid() -> None:
             await asyncio.sleep(a.duration / 2)
-            rss["mid"] = rss_bytes()
+            rss["mid"] = rss_bytes(procs)
 
         await asyncio.gather(mid(), *(soak.client(deadline) for _ in range(a.clients)))
 
     asyncio.run(run())
     elapsed = time.monotonic() - t0
+    def on_engine(coro):
+        return asyncio.run_coroutine_threadsafe(coro, state.loop).result(30)
+
     for _ in range(300):  # let the engine go idle
-        if not state.active and not state.worker.engine.has_work():
+        st = on_engine(state.engine.fresh_stats())
+        if not state.active and st.num_waiting == 0 and st.num_running == 0:
             break
         time.sleep(0.1)
-    rss["end"] = rss_bytes()
-
-    def on_engine(fn):
-        w = state.worker
-        return asyncio.run_coroutine_threadsafe(w.call(fn, w.engine), w._loop).result(30)
-
-    leaked_rows = on_engine(lambda e: len(e.pool.used_rows()) - sum(s.row is not None for s in e.sessions.values()))
-    on_engine(lambda e: e.check_invariants())
-    open_sessions = on_engine(lambda e: len(e.sessions))
-    stats = on_engine(lambda e: dict(e.stats))
+    rss["end"] = rss_bytes(procs)
+    leaked_rows = st.rows_used - st.session_rows
+    on_engine(state.engine.check_invariants())
+    open_sessions = st.num_sessions
+    stats = st.counters
     server.should_exit = True
     thread.join(15)
     stored, db_bytes = None, None

@@ -141,20 +141,25 @@ SHAPES = {
 }
 
 
+def shape_config(name: str):
+    """The transformers config of a BENCH.md shape, and its causal-LM class."""
+    fields = dict(SHAPES[name])
+    if fields.pop("family", "gemma3") == "gemma4":
+        from transformers import Gemma4ForCausalLM as cls, Gemma4TextConfig
+
+        return Gemma4TextConfig(**fields, max_position_embeddings=32768), cls
+    from transformers import Gemma3ForCausalLM as cls, Gemma3TextConfig
+
+    return Gemma3TextConfig(**fields, max_position_embeddings=32768, query_pre_attn_scalar=256), cls
+
+
 def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = True):
     """Two identical random-weight models of a BENCH.md shape: one for the engine, one for HF
     (None without `with_hf`)."""
     import copy
 
-    fields = dict(SHAPES[name])
-    if fields.pop("family", "gemma3") == "gemma4":
-        from transformers import Gemma4ForCausalLM as cls, Gemma4TextConfig
-
-        cfg = Gemma4TextConfig(**fields, max_position_embeddings=32768)
-    else:
-        from transformers import Gemma3ForCausalLM as cls, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(**fields, max_position_embeddings=32768, query_pre_attn_scalar=256)
+    fields = SHAPES[name]
+    cfg, cls = shape_config(name)
     torch.manual_seed(0)
     with torch.device(device):
         model = cls._from_config(cfg, dtype=dtype).eval()

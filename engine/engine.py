@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -90,7 +90,6 @@ class _Live:
     snapshot: RowSnapshot | None = None  # row state to restore if the turn does not complete
     row_is_new: bool = False  # row allocated for this turn (rollback frees it)
     output_ids: list[int] = field(default_factory=list)
-    stop_string_hit: bool = False
     # (lane, position) in the newest launched step, while its token is not applied yet
     ahead: tuple[int, int] | None = None
 
@@ -144,6 +143,9 @@ class Engine:
         # Bounded; a later lookup of such an id raises `session_evicted`.
         self.evicted: OrderedDict[str, str] = OrderedDict()
         self._live: dict[str, _Live] = {}
+        # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
+        # in flight); whoever runs the loop takes them and delivers them like a step's outputs
+        self.ended_between_steps: list[RequestOutput] = []
         self._seeds = itertools.count(config.seed * 1_000_003)
         # Called with every row's logits before sampling: (request_id, position of the last fed
         # token, logits [vocab], a view). Tests use it to record logits and to inject faults (an
@@ -194,23 +196,31 @@ class Engine:
         self.sessions[sid] = _Session(sid, owner=owner)
         return sid
 
-    def close_session(self, session_id: str) -> bool:
-        """Ends the session (aborting a turn in flight) and frees its row. Idempotent."""
+    def close_session(self, session_id: str, owner: str | None = None) -> bool:
+        """Ends the session (aborting a turn in flight) and frees its row. Idempotent: False when
+        there is no such session of this owner."""
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or s.owner != owner:
             return False
+        self._close(s)
+        return True
+
+    def _close(self, s: _Session) -> None:
+        session_id = s.session_id
         if s.busy is not None:
-            self.abort(s.busy)
+            self.ended_between_steps.append(self.abort(s.busy))
         if s.row is not None:
             self.pool.free_row(s.row)
         self._drop_swapped(s)
         del self.sessions[session_id]
         self._store(s, self.db.delete if self.db else None, session_id)
-        return True
 
-    def reset_session(self, session_id: str) -> None:
-        """Forget the history (the row is emptied); used when a client's prompt diverges."""
-        s = self._session(session_id)
+    def reset_session(self, session_id: str, owner: str | None = None) -> None:
+        """Forget the history (the row is emptied)."""
+        self._reset(self._session(session_id, owner))
+
+    def _reset(self, s: _Session) -> None:
+        session_id = s.session_id
         if s.busy is not None:
             raise EngineError("session has a turn in flight", code="session_busy")
         if s.row is not None:
@@ -220,10 +230,10 @@ class Engine:
         s.tokens, s.forwards, s.num_tokens = [], [], 0
         self._store(s, self.db.clear if self.db else None, session_id)
 
-    def release_row(self, session_id: str) -> bool:
+    def release_row(self, session_id: str, owner: str | None = None) -> bool:
         """Drop an idle session's row but keep its history; its next turn rebuilds the row by
         replaying the history's forwards."""
-        s = self._session(session_id)
+        s = self._session(session_id, owner)
         if s.busy is not None or s.row is None:
             return False
         self._give_up_row(s)
@@ -235,8 +245,8 @@ class Engine:
         s.num_evictions += 1
         self.stats["rows_released"] += 1
 
-    def session_tokens(self, session_id: str) -> list[int]:
-        return list(self._history(self._session(session_id)))
+    def session_tokens(self, session_id: str, owner: str | None = None) -> list[int]:
+        return list(self._history(self._session(session_id, owner)))
 
     def _history(self, s: _Session) -> list[int]:
         if s.tokens is None:  # first use since the server started: read the transcript
@@ -266,8 +276,8 @@ class Engine:
             except sqlite3.Error:
                 log.error("session %s: its stale transcript could not be removed either", s.session_id)
 
-    def session_info(self, session_id: str) -> dict:
-        s = self._session(session_id)
+    def session_info(self, session_id: str, owner: str | None = None) -> dict:
+        s = self._session(session_id, owner)
         kv = self.pool.resident_kv_bytes(s.row) if s.row is not None else {"total": 0}
         kv_tokens = self.pool.kv_len(s.row) if s.row is not None else (s.swapped.kv_len if s.swapped else 0)
         state = "resident" if s.row is not None else ("swapped" if s.swapped is not None else "stored")
@@ -286,9 +296,13 @@ class Engine:
             "durable": self.db is not None and s.durable,  # its transcript survives a restart
         }
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str, owner: str | None) -> _Session:
+        """The session, for its owner: another owner's session is indistinguishable from a
+        missing one."""
         s = self.sessions.get(session_id)
-        if s is None and session_id in self.evicted:
+        if s is not None and s.owner != owner:
+            s = None
+        elif s is None and session_id in self.evicted:
             raise EngineError(f"session {session_id} was evicted ({self.evicted[session_id]})",
                               code="session_evicted", param="session_id")
         if s is None:
@@ -310,10 +324,17 @@ class Engine:
             raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer", param="stop")
-        session = self._session(request.session_id) if request.session_id is not None else None
+        session = self._session(request.session_id, request.owner) if request.session_id is not None else None
         if session is not None and session.busy is not None:
             raise EngineError("session has a turn in flight", code="session_busy", param="session_id")
         history = self._history(session) if session is not None else []
+        diverged = False
+        if request.match_prefix and history:  # the prompt is the whole conversation
+            if len(history) < len(ids) and ids[: len(history)] == history:
+                ids = ids[len(history):]
+                request = replace(request, prompt_token_ids=ids, match_prefix=False)
+            else:  # it does not continue the stored history: the session starts over with it
+                history, diverged = [], True
         if len(history) + len(ids) >= self.max_model_len:
             raise EngineError(
                 f"history ({len(history)}) + prompt ({len(ids)}) tokens reach the context limit of "
@@ -328,6 +349,17 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
+        max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)
+        if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
+            raise EngineError(
+                f"{max_len} tokens exceed the KV cache ({(self.pool.num_blocks - 1) * self.pool.block_size} "
+                "tokens); lower max_tokens",
+                code="kv_capacity_exceeded",
+                param="max_tokens",
+            )
+        # valid: from here on the request is committed
+        if diverged:
+            self._reset(session)
         kv_len, forward_ends = 0, []
         if session is not None and session.row is not None:
             kv_len = self.pool.kv_len(session.row)
@@ -338,16 +370,9 @@ class Engine:
                 end = forward_ends[-1] if forward_ends else 0
                 forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
         feed = history[kv_len:] + list(ids)
-        max_len = min(len(history) + len(ids) + params.max_tokens, self.max_model_len)
-        if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
-            raise EngineError(
-                f"{max_len} tokens exceed the KV cache ({(self.pool.num_blocks - 1) * self.pool.block_size} "
-                "tokens); lower max_tokens",
-                code="kv_capacity_exceeded",
-                param="max_tokens",
-            )
         seed = params.seed if params.seed is not None else next(self._seeds)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        # stop strings are matched on the text (the front end detokenizes for the client)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None
         live = _Live(
             request=request,
             sched=SchedRequest(request.request_id, len(feed), forward_ends=forward_ends),
@@ -430,7 +455,7 @@ class Engine:
             s.swapped = None
 
     def evict_session(self, session_id: str, reason: str) -> None:
-        self.close_session(session_id)
+        self._close(self.sessions[session_id])
         self.evicted[session_id] = reason
         while len(self.evicted) > 100_000:
             self.evicted.popitem(last=False)
@@ -628,26 +653,24 @@ class Engine:
         if not finite:
             return self._finish(live, FinishReason.ERROR, error="sampling failed: non-finite logits")
         live.output_ids.append(token)
-        reason, delta = None, ""
+        reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = FinishReason.STOP
-        elif live.detok is not None:
-            delta, stopped = live.detok.add(token)
-            if stopped:
-                reason, live.stop_string_hit = FinishReason.STOP, True
+        elif live.detok is not None and live.detok.add(token)[1]:
+            reason = FinishReason.STOP
         if reason is None and (len(live.output_ids) >= params.max_tokens or kv_len + 1 >= live.max_len):
             reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(live, reason, last_token=token, delta=delta)
-        return self._output(live, [token], delta, None)
+            return self._finish(live, reason, last_token=token)
+        return self._output(live, [token], None)
 
-    def _output(self, live, new_ids, delta, reason, error=None) -> RequestOutput:
+    def _output(self, live, new_ids, reason, error=None) -> RequestOutput:
         # in field order, positionally: one of these is built per row per step, and keywords
         # cost more than the rest of the call
-        return RequestOutput(live.request.request_id, new_ids, delta, reason is not None, reason, len(live.feed),
+        return RequestOutput(live.request.request_id, new_ids, reason is not None, reason, len(live.feed),
                              live.num_cached, len(live.output_ids), error)
 
-    def _finish(self, live: _Live, reason: FinishReason, last_token=None, delta="", error=None) -> RequestOutput:
+    def _finish(self, live: _Live, reason: FinishReason, last_token=None, error=None) -> RequestOutput:
         """The one place a request's lifetime ends."""
         rid = live.request.request_id
         if live.ahead is not None:  # a step launched ahead fed the row one token past its end
@@ -657,8 +680,6 @@ class Engine:
         self.scheduler.remove(rid)
         del self._live[rid]
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        if completed and live.detok is not None and not live.stop_string_hit:
-            delta += live.detok.flush()  # held text that never became a stop string
         session = self.sessions.get(live.request.session_id) if live.request.session_id else None
         if session is None:
             if live.row is not None:
@@ -683,7 +704,7 @@ class Engine:
             session.busy = None
             session.last_used = time.monotonic()
         new_ids = [last_token] if last_token is not None else []
-        return self._output(live, new_ids, delta, reason, error)
+        return self._output(live, new_ids, reason, error)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

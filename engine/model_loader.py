@@ -4,6 +4,8 @@
                         converted once (~1 min) to safetensors + tokenizer in the cache directory;
                         later starts load that in seconds. Needs no network.
     "tiny-random[:N]"   a small random Gemma-3 (mixed layer types, GQA) for tests; N seeds it.
+    "random:DIR"        random weights (seed 0) for the config.json in DIR: a real model's shape for
+                        benchmarks, with DIR's tokenizer if it holds one
     a directory / id    anything transformers' AutoModelForCausalLM loads (hub only with network)
     quantization        "bnb-4bit": bitsandbytes NF4 weights (CUDA only)
 """
@@ -135,6 +137,31 @@ def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overr
     return model.eval()
 
 
+def _source(config: EngineConfig) -> tuple[str, str]:
+    """(where transformers loads the model from, the name it is served as)."""
+    spec = config.model
+    if spec == "embedded":
+        return str(embedded_dir(config.cache_dir)), EMBEDDED_NAME
+    if spec.startswith("random:"):
+        path = spec[len("random:"):]
+        return path, "random-" + Path(path).name
+    return spec, spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
+
+
+def load_tokenizer(config: EngineConfig):
+    """The model's tokenizer (None for the tiny random models and tokenizer-less random shapes).
+    The front end loads it on its own; the engine process loads it with the model."""
+    if config.model.startswith("tiny-random"):
+        return None
+    from transformers import AutoTokenizer
+
+    path, _ = _source(config)
+    if config.model.startswith("random:") and not any(
+            (Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     dtype = TORCH_DTYPES[config.dtype]
     spec = config.model
@@ -142,12 +169,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         model = tiny_random_model(seed, dtype).to(config.device)
         return LoadedModel(_quantize(model, config), None, spec)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if spec == "embedded":
-        path, name = str(embedded_dir(config.cache_dir)), EMBEDDED_NAME
-    else:
-        path, name = spec, spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
+    path, name = _source(config)
+    if spec.startswith("random:"):
+        torch.manual_seed(0)
+        with torch.device(config.device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+        return LoadedModel(_quantize(model, config), load_tokenizer(config), name)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if config.quantization == "bnb-4bit":
         from transformers import BitsAndBytesConfig
@@ -159,8 +188,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if config.quantization != "bnb-4bit":
         model = model.to(config.device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(_quantize(model.eval(), config), tokenizer, name)
+    return LoadedModel(_quantize(model.eval(), config), load_tokenizer(config), name)
 
 
 def quantize_bnb4(model, compute_dtype: torch.dtype):

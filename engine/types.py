@@ -64,15 +64,18 @@ class Request:
     prompt_token_ids: list[int]  # new input of this turn (appended to the session's history)
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None  # None: a stateless request on a row of its own
+    owner: str | None = None  # the tenant asking; a session answers only its own owner
+    # prompt_token_ids is the whole conversation: the session's stored history must be a prefix
+    # of it (only the rest is fed); otherwise the session starts over with the whole prompt
+    match_prefix: bool = False
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (a tuple: one is made per row per step, and the
+    engine process sends them as they are)."""
 
     request_id: str
     new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
-    text_delta: str  # newly printable text ("" when held back for UTF-8 or a stop string)
     finished: bool
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0  # tokens prefilled for this turn (excludes reused history)

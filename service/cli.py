@@ -16,8 +16,8 @@ def _serve(argv: list[str]) -> int:
     from service.settings import parse_serve_args
 
     settings = parse_serve_args(argv)
-    # The engine thread runs Python between torch calls; a shorter GIL switch interval (default
-    # 5 ms) lets the event loop thread in sooner, which bounds how late it answers under load.
+    # Long prompts are tokenized on a worker thread; a shorter GIL switch interval (default 5 ms)
+    # lets the event loop thread in sooner meanwhile.
     sys.setswitchinterval(0.001)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.engine.model == "embedded":
@@ -32,7 +32,7 @@ def _serve(argv: list[str]) -> int:
                             app.state.s5)
     app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1
     server.run()
-    return 1 if app.state.s5.fatal or (app.state.s5.worker is not None and app.state.s5.worker.error is not None) else 0
+    return 1 if app.state.s5.fatal else 0
 
 
 def _drain_server_class():
@@ -56,10 +56,10 @@ def _drain_server_class():
                 deadline = time.monotonic() + grace
                 while time.monotonic() < deadline and self.state.active:
                     time.sleep(0.1)
-                if self.state.active and self.state.worker is not None:
+                if self.state.active and self.state.engine is not None:
                     # past the grace period: end the rest with a final event, then stop
                     for rid in list(self.state.active):
-                        self.state.worker.abort(rid)
+                        self.state.loop.call_soon_threadsafe(self.state.engine.abort, rid)
                     until = time.monotonic() + 5
                     while time.monotonic() < until and self.state.active:
                         time.sleep(0.05)

@@ -39,29 +39,38 @@ class Metrics:
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
         self._lag_max = 0.0
-        self._seen = {"swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
+        self.invariant_checks = Counter("s5_invariant_checks", "Engine invariant checks run while idle", registry=r)
+        self.invariant_failures = Counter("s5_invariant_failures", "Engine invariant checks that failed "
+                                          "(the engine process logs each)", registry=r)
+        self._seen = dict.fromkeys(("swaps_out", "swaps_in", "rebuilds", "rebuild_forwards", "session_db_errors",
+                                    "invariant_checks", "invariant_failures"), 0)
 
-    def on_step(self, engine, outputs, seconds: float) -> None:
-        """Called on the engine thread after every step."""
-        self.step.observe(seconds)
-        pool = engine.pool
-        self.queued.set(engine.num_waiting)
-        self.running.set(engine.num_running)
-        self.rows_used.set(pool.num_rows - pool.num_free_rows)
-        if pool.paged_layers:
-            self.kv_utilization.set(1 - pool.num_free_blocks / (pool.num_blocks - 1))
-        self.sessions.set(len(engine.sessions))
-        counters = {"swaps_out": self.swaps.labels("out"), "swaps_in": self.swaps.labels("in"),
-                    "rebuilds": self.resumes.labels("rebuild"), "rebuild_forwards": self.rebuild_forwards,
-                    "session_db_errors": self.store_errors}
-        for key, counter in counters.items():
-            n = engine.stats[key]
+    def on_step(self, msg) -> None:
+        """An engine message (ipc.StepOutputs), on the event loop: its step time, and the engine's
+        stats snapshot when it carries one."""
+        if msg.step_seconds > 0:
+            self.step.observe(msg.step_seconds)
+        st = msg.stats
+        if st is None:
+            return
+        self.queued.set(st.num_waiting)
+        self.running.set(st.num_running)
+        self.rows_used.set(st.rows_used)
+        self.kv_utilization.set(st.kv_block_utilization)
+        self.sessions.set(st.num_sessions)
+        self.swapped_bytes.set(st.swapped_bytes)
+        counters = {"swaps_out": (self.swaps.labels("out"),), "swaps_in": (self.swaps.labels("in"),
+                                                                          self.resumes.labels("swap-in")),
+                    "rebuilds": (self.resumes.labels("rebuild"),), "rebuild_forwards": (self.rebuild_forwards,),
+                    "session_db_errors": (self.store_errors,), "invariant_checks": (self.invariant_checks,),
+                    "invariant_failures": (self.invariant_failures,)}
+        totals = {**st.counters, "invariant_checks": st.invariant_checks, "invariant_failures": st.invariant_failures}
+        for key, targets in counters.items():
+            n = totals.get(key, 0)
             if n > self._seen[key]:
-                counter.inc(n - self._seen[key])
-                if key == "swaps_in":
-                    self.resumes.labels("swap-in").inc(n - self._seen[key])
+                for counter in targets:
+                    counter.inc(n - self._seen[key])
                 self._seen[key] = n
-        self.swapped_bytes.set(engine.swapped_bytes)
 
     def observe_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)

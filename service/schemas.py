@@ -25,6 +25,8 @@ class _Body(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     session_id: str | None = None
+    # each choice (streamed chunk or whole reply) also carries the ids of its tokens (`token_ids`)
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod

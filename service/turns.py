@@ -1,29 +1,31 @@
-"""From a validated body to an engine request and back: sampling params, prompt tokens,
-session prefix reuse, admission (429/503), metering, ownership of requests in flight, and
-cancellation when the client goes away. Shared by the OpenAI routes and the session routes."""
+"""From a validated body to an engine request and back: sampling params, tokenization off the
+event loop, admission (429/503), text for the client (detokenized here, in the front end),
+metering, ownership of requests in flight, and cancellation when the client goes away. Shared by
+the OpenAI routes and the session routes."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request as HTTPRequest
 
-from engine import FinishReason, Request, RequestOutput, SamplingParams
-from engine.engine import Engine
+from engine import FinishReason, Request, SamplingParams
+from engine.client import Delta, EngineDead, RequestStream
+from engine.detokenizer import IncrementalDetokenizer
 from engine.types import EngineError
 from service.errors import APIError, from_engine
 
-
-@dataclass
-class Turn:
-    request_id: str
-    stream: AsyncIterator[RequestOutput]  # metered; leaving it early aborts the request
-    num_prompt_tokens: int  # the whole prompt as the client sees it
-    started: float
+# Texts longer than this are tokenized (and chat templates rendered) on a worker thread, so a huge
+# prompt does not hold up the event loop; shorter ones cost less than the hop.
+OFF_LOOP_CHARS = 2048
 
 
 def valid_text(text: str, param: str) -> str:
@@ -32,6 +34,47 @@ def valid_text(text: str, param: str) -> str:
     except UnicodeEncodeError as exc:
         raise APIError(400, f"{param}: invalid unicode (lone surrogate)", "invalid_request", param) from exc
     return text
+
+
+class TokenizerPool:
+    """Worker threads for long texts, at a lower CPU priority (Linux: per-thread nice): where
+    cores are few, tokenizing a huge prompt takes what the engine process leaves, instead of
+    slowing every live stream's next step."""
+
+    NICE = 10
+
+    def __init__(self, workers: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s5serve-tokenize", initializer=self._lower)
+
+    @classmethod
+    def _lower(cls) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), cls.NICE)
+        except (OSError, AttributeError):  # not Linux, or not allowed: same priority as the loop
+            pass
+
+    async def run(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def tokenize(state, text: str, **kwargs) -> list[int]:
+    """`tokenizer(text)["input_ids"]`, off the event loop for long texts."""
+    tok = state.tokenizer
+    if len(text) > OFF_LOOP_CHARS:
+        return (await state.tokenizer_pool.run(tok, text, **kwargs))["input_ids"]
+    return tok(text, **kwargs)["input_ids"]
+
+
+async def render_chat(state, messages: list[dict], size_hint: int, **kwargs) -> list[int]:
+    """The chat template's token ids for `messages`, off the event loop for long conversations."""
+    tok = state.tokenizer
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+    if size_hint > OFF_LOOP_CHARS:
+        return list(await state.tokenizer_pool.run(tok.apply_chat_template, messages, **kw))
+    return list(tok.apply_chat_template(messages, **kw))
 
 
 def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -51,8 +94,8 @@ def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParam
 
 def require_ready(state) -> None:
     if state.draining:
-        raise APIError(503, "server is draining", "draining", headers={"Retry-After": "5"})
-    if not state.ready or state.worker is None or not state.worker.alive:
+        raise APIError(503, state.fatal or "server is draining", "draining", headers={"Retry-After": "5"})
+    if not state.ready or state.engine is None or not state.engine.alive:
         raise APIError(503, state.load_error or "model is loading", "not_ready", headers={"Retry-After": "5"})
 
 
@@ -61,91 +104,134 @@ def check_model(state, model: str | None) -> None:
         raise APIError(404, f"model {model!r} not found", "model_not_found", "model")
 
 
+async def engine_call(coro):
+    """An EngineClient call, with its EngineError as the API's error."""
+    try:
+        return await coro
+    except EngineError as err:
+        raise from_engine(err) from err
+    except EngineDead as err:
+        raise APIError(503, f"the engine is not running: {err}", "engine_dead") from err
+
+
+@dataclass
+class Chunk:
+    """What a turn hands its route: the text and tokens since the last chunk, and the counts."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int  # tokens prefilled for this turn
+    num_cached_tokens: int  # history tokens reused from the session's row
+    num_output_tokens: int
+    error: str | None
+
+
+class Turn:
+    """One request in flight, as its route sees it. Iterate it for `Chunk`s; `close()` (also
+    called when the response ends, however it ends) aborts it if it has not finished."""
+
+    def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
+                 num_prompt_tokens: int, owner: str | None) -> None:
+        self.state = state
+        self.request_id = stream.request_id
+        self.stream = stream
+        self.detok = detok
+        self.num_prompt_tokens = num_prompt_tokens  # the whole prompt as the client sees it
+        self.started = time.monotonic()
+        self.finished = False
+        self._stopped = False  # the text reached a stop string: nothing after it is shown
+        self._last_arrival: float | None = None
+        state.active[self.request_id] = owner
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        m = self.state.metrics
+        async for d in self.stream:
+            yield self._chunk(d, m)
+            if d.finished:
+                return
+
+    def _chunk(self, d: Delta, m) -> Chunk:
+        n = len(d.token_ids)
+        if n:
+            if self._last_arrival is None:
+                m.ttft.observe(d.arrived - self.started)
+                m.prefill_tokens.inc(d.num_prompt_tokens)
+                m.cached_tokens.inc(d.num_cached_tokens)
+            else:  # coalesced tokens: the mean gap between them
+                m.itl.observe((d.arrived - self._last_arrival) / n)
+            self._last_arrival = d.arrived
+            m.generation_tokens.inc(n)
+        text = ""
+        if self.detok is not None and not self._stopped:
+            text, self._stopped = self.detok.add_many(d.token_ids)
+            if d.finished and d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not self._stopped:
+                text += self.detok.flush()  # held text that never became a stop string
+        if d.finished:
+            self.finished = True
+            m.finished.labels(d.finish_reason.value).inc()
+            m.e2e.observe(time.monotonic() - self.started)
+            self.state.active.pop(self.request_id, None)
+        return Chunk(text, d.token_ids, d.finished, d.finish_reason, d.num_prompt_tokens, d.num_cached_tokens,
+                     d.num_output_tokens, d.error)
+
+    def close(self) -> None:
+        """The response ended: abort the request if it still runs. Idempotent."""
+        if self.request_id in self.state.active:
+            self.state.active.pop(self.request_id, None)
+            if not self.finished:
+                self.state.metrics.finished.labels("abort").inc()
+        self.stream.abort()
+
+
 async def start_turn(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
                      owner: str | None, match_prefix: bool) -> Turn:
     """Submit a turn. With `match_prefix`, `prompt_ids` is the whole conversation: the stored
     history must be its prefix (only the rest is prefilled), else the session is re-prefilled."""
     require_ready(state)
     m = state.metrics
-    if session_id is not None:
-        state.sessions.check(session_id, owner)
-    worker = state.worker
-    if worker.num_active >= state.settings.max_queued:
+    engine = state.engine
+    if engine.num_active >= state.settings.max_queued:
         m.rejections.labels("queue_full").inc()
         raise APIError(429, "too many requests in flight; retry later", "queue_full", headers={"Retry-After": "1"})
     rid = f"req-{uuid.uuid4().hex}"
-
-    def plan(engine: Engine) -> list[int]:
-        if session_id is None or not match_prefix:
-            return prompt_ids
-        stored = engine.session_tokens(session_id)
-        if stored and len(stored) < len(prompt_ids) and prompt_ids[: len(stored)] == stored:
-            return prompt_ids[len(stored):]
-        if stored:
-            engine.reset_session(session_id)  # the conversation diverged: prefill it again
-        return prompt_ids
-
+    request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None)
     try:
-        new_ids = prompt_ids if session_id is None else await worker.call(plan, worker.engine)
-        raw = await worker.generate(Request(rid, new_ids, params, session_id))
-    except EngineError as err:
+        stream = await engine_call(engine.generate(request))
+    except APIError as err:
         m.rejections.labels(err.code).inc()
-        raise from_engine(err) from err
+        raise
     m.prompt_tokens.inc(len(prompt_ids))
-    state.active[rid] = owner
-    started = time.monotonic()
-    return Turn(rid, _metered(state, rid, raw, started), len(prompt_ids), started)
+    detok = IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None else None
+    return Turn(state, stream, detok, len(prompt_ids), owner)
 
 
-async def _metered(state, rid: str, raw: AsyncIterator[RequestOutput], started: float):
-    m = state.metrics
-    last, finished = None, False
-    try:
-        async for out in raw:
-            now = time.monotonic()
-            if out.new_token_ids:
-                if last is None:
-                    m.ttft.observe(now - started)
-                    m.prefill_tokens.inc(out.num_prompt_tokens)
-                    m.cached_tokens.inc(out.num_cached_tokens)
-                else:
-                    m.itl.observe(now - last)
-                last = now
-                m.generation_tokens.inc(len(out.new_token_ids))
-            if out.finished:
-                finished = True
-                m.finished.labels(out.finish_reason.value).inc()
-                m.e2e.observe(now - started)
-            yield out
-    finally:
-        state.active.pop(rid, None)
-        if not finished:  # the client went away: the request is aborted at the next step
-            m.finished.labels("abort").inc()
-        await raw.aclose()
-
-
-async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], RequestOutput | None]:
+async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None]:
     """Non-streaming: gather the whole reply; abort if the client disconnects meanwhile."""
-    text, ids, last = "", [], None
+    text, ids, last = [], [], None
 
     async def consume():
-        nonlocal text, last
-        async for out in turn.stream:
-            text += out.text_delta
-            ids.extend(out.new_token_ids)
-            last = out
+        nonlocal last
+        async for chunk in turn.chunks():
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
 
     task = asyncio.ensure_future(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            task.cancel()  # unwinds the stream, which aborts the request
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return text, ids, None
-    await task
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                return "".join(text), ids, None
+        await task
+    finally:
+        turn.close()
     if last is not None and last.finish_reason == FinishReason.ERROR:
         raise APIError(500, last.error or "generation failed", "generation_failed")
-    return text, ids, last
+    return "".join(text), ids, last

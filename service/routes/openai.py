@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from engine import FinishReason
 from service.auth import tenant
 from service.errors import APIError
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import check_model, collect, require_ready, sampling_params, start_turn, valid_text
+from service.turns import (check_model, collect, render_chat, require_ready, sampling_params, start_turn,
+                           tokenize, valid_text)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -59,7 +61,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     except ValueError as exc:
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
     try:
-        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = await render_chat(st, msgs, sum(len(m["content"]) for m in msgs))
     except Exception as exc:  # template errors are the caller's (e.g. roles out of order)
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
     params = sampling_params(body, end_of_turn_ids(tok))
@@ -78,11 +80,15 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     if isinstance(p, str):
         if st.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "prompt")
-        ids = st.tokenizer(valid_text(p, "prompt"))["input_ids"]
+        ids = await tokenize(st, valid_text(p, "prompt"))
     else:
         ids = list(p)
     turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
     return await _respond(body, turn, request, chat=False, model=st.model_name)
+
+
+def _json(obj) -> str:
+    return msgspec.json.encode(obj).decode()
 
 
 def _usage(turn, last) -> dict:
@@ -106,9 +112,11 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
     headers = {"X-Request-Id": turn.request_id}
 
     if not body.stream:
-        text, _, last = await collect(turn, request)
+        text, ids, last = await collect(turn, request)
         choice = {"index": 0, "finish_reason": _finish(last.finish_reason if last else None), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if body.return_token_ids:
+            choice["token_ids"] = ids
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
                              "choices": [choice], "usage": _usage(turn, last)}, headers=headers)
@@ -116,7 +124,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool) -> str:
+    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None) -> str:
         if chat:
             if first:
                 delta = {"role": "assistant", "content": delta_text or ""}
@@ -125,24 +133,28 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-        return json.dumps({**head, "choices": [choice]})
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids or []
+        return _json({**head, "choices": [choice]})
 
     async def events():
         first, last = True, None
-        async for out in turn.stream:
+        async for out in turn.chunks():
             last = out
             if out.finish_reason == FinishReason.ERROR:
                 err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
-                yield json.dumps({"error": err})
+                yield _json({"error": err})
                 break
-            if out.text_delta or (first and out.new_token_ids):
-                yield chunk(out.text_delta, None, first)
+            if out.text or (out.token_ids and (first or body.return_token_ids)):
+                yield chunk(out.text, None, first, out.token_ids)
                 first = False
             if out.finished:
                 yield chunk(None, _finish(out.finish_reason), first)
         else:
             if body.include_usage:
-                yield json.dumps({**head, "choices": [], "usage": _usage(turn, last)})
+                yield _json({**head, "choices": [], "usage": _usage(turn, last)})
         yield "[DONE]"
 
-    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600)
+    # the response ends (finished, failed or the client gone): the turn is closed, so a request
+    # whose client went away is aborted at once, whether or not its stream was being read
+    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))

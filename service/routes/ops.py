@@ -14,17 +14,17 @@ router = APIRouter(responses=ERROR_RESPONSES)
 @router.get("/health")
 async def health(request: Request):
     st = request.app.state.s5
-    if st.worker is not None and not st.worker.alive:
-        return JSONResponse(envelope(503, "engine loop is dead", "engine_dead"), 503)
+    if st.fatal or (st.engine is not None and st.engine.error is not None):
+        return JSONResponse(envelope(503, st.fatal or "the engine is gone", "engine_dead"), 503)
     return {"status": "ok"}
 
 
 @router.get("/ready")
 async def ready(request: Request):
     st = request.app.state.s5
-    if st.ready and not st.draining and st.worker is not None and st.worker.alive:
+    if st.ready and not st.draining and st.engine is not None and st.engine.alive:
         return {"status": "ready", "model": st.model_name}
-    why = st.load_error or ("draining" if st.draining else "loading")
+    why = st.load_error or st.fatal or ("draining" if st.draining else "loading")
     return JSONResponse(envelope(503, why, "not_ready"), 503)
 
 
@@ -39,5 +39,5 @@ async def cancel(request_id: str, request: Request, owner: str | None = Depends(
     st = request.app.state.s5
     if request_id not in st.active or st.active[request_id] != owner:
         raise APIError(404, f"request {request_id} not found", "request_not_found", "request_id")
-    st.worker.abort(request_id)
+    st.engine.abort(request_id)
     return {"id": request_id, "object": "request.cancelled", "cancelled": True}

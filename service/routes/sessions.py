@@ -2,37 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import time
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from engine import FinishReason
-from engine.types import EngineError
 from service.auth import tenant
-from service.errors import APIError, from_engine
+from service.errors import APIError
 from service.routes.openai import end_of_turn_ids
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import collect, require_ready, sampling_params, start_turn, valid_text
+from service.turns import collect, engine_call, require_ready, sampling_params, start_turn, tokenize, valid_text
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
-
-
-async def _engine_call(st, fn, *args):
-    try:
-        return await st.worker.call(fn, *args)
-    except EngineError as err:
-        raise from_engine(err) from err
 
 
 @router.post("")
 async def create_session(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    sid = await _engine_call(st, st.worker.engine.create_session, None, owner)
-    st.sessions.add(sid, owner)
+    sid = await engine_call(st.engine.create_session(owner))
     return {"id": sid, "object": "session", "created": int(time.time()), "model": st.model_name}
 
 
@@ -40,8 +32,7 @@ async def create_session(request: Request, owner: str | None = Depends(tenant)):
 async def get_session(session_id: str, request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    st.sessions.check(session_id, owner)
-    info = await _engine_call(st, st.worker.engine.session_info, session_id)
+    info = await engine_call(st.engine.session_info(session_id, owner))
     return {"object": "session", **info}
 
 
@@ -50,13 +41,8 @@ async def delete_session(session_id: str, request: Request, owner: str | None = 
     """Idempotent: deleting a missing (or already deleted) session also answers 200."""
     st = request.app.state.s5
     require_ready(st)
-    try:
-        st.sessions.check(session_id, owner)
-    except APIError:
-        return {"id": session_id, "object": "session.deleted", "deleted": False}
-    await _engine_call(st, st.worker.engine.close_session, session_id)
-    st.sessions.remove(session_id)
-    return {"id": session_id, "object": "session.deleted", "deleted": True}
+    deleted = await engine_call(st.engine.close_session(session_id, owner))
+    return {"id": session_id, "object": "session.deleted", "deleted": deleted}
 
 
 @router.post("/{session_id}/generate", responses=STREAM_RESPONSES)
@@ -64,7 +50,6 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
                    owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    st.sessions.check(session_id, owner)
     tok = st.tokenizer
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input or messages", "invalid_request", "input")
@@ -73,7 +58,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     elif tok is None:
         raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "input")
     elif body.input is not None:
-        ids = tok(valid_text(body.input, "input"), add_special_tokens=False)["input_ids"]
+        ids = await tokenize(st, valid_text(body.input, "input"), add_special_tokens=False)
     else:
         try:
             turns = [(("model" if m.role == "assistant" else "user"), valid_text(m.text(), "messages"))
@@ -81,7 +66,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
         text = "".join(f"<start_of_turn>{role}\n{t}<end_of_turn>\n" for role, t in turns)
-        ids = tok(text + "<start_of_turn>model\n", add_special_tokens=False)["input_ids"]
+        ids = await tokenize(st, text + "<start_of_turn>model\n", add_special_tokens=False)
     if not ids:
         raise APIError(400, "input is empty", "invalid_request", "input")
     params = sampling_params(body, end_of_turn_ids(tok))
@@ -109,13 +94,13 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
 
     async def events():
         prefill_s = None
-        async for out in turn.stream:
+        async for out in turn.chunks():
             if prefill_s is None:
                 prefill_s = time.monotonic() - turn.started
-            if out.new_token_ids and out.finish_reason != FinishReason.ERROR:
-                yield json.dumps({"type": "token", "text": out.text_delta, "token_ids": out.new_token_ids})
+            if out.token_ids and out.finish_reason != FinishReason.ERROR:
+                yield msgspec.json.encode({"type": "token", "text": out.text, "token_ids": out.token_ids}).decode()
             if out.finished:
-                yield json.dumps(final(out, prefill_s))
+                yield msgspec.json.encode(final(out, prefill_s)).decode()
         yield "[DONE]"
 
-    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600)
+    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))

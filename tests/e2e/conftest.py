@@ -13,7 +13,6 @@ import pytest
 import uvicorn
 
 from engine import EngineConfig
-from engine.model_loader import LoadedModel
 from service.app import create_app
 from service.settings import Settings
 
@@ -25,10 +24,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """A real uvicorn server on 127.0.0.1 in a thread, with a handle on its engine."""
+    """A real uvicorn server on 127.0.0.1 in a thread (its engine in a process of its own)."""
 
-    def __init__(self, settings: Settings, loaded: LoadedModel):
-        self.app = create_app(settings, loaded)
+    def __init__(self, settings: Settings):
+        self.app = create_app(settings)
         self.state = self.app.state.s5
         self.url = f"http://127.0.0.1:{settings.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port,
@@ -38,24 +37,37 @@ class LiveServer:
 
     def start(self):
         self.thread.start()
-        for _ in range(600):
+        for _ in range(1200):
             try:
                 if httpx.get(f"{self.url}/ready").status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
+            if self.state.load_error:
+                raise RuntimeError(f"server failed to start: {self.state.load_error}")
             time.sleep(0.1)
         raise RuntimeError("server not ready")
 
-    def engine_call(self, fn, *args):
-        """Run fn(engine, *args) on the engine thread (between steps)."""
-        w = self.state.worker
-        return asyncio.run_coroutine_threadsafe(w.call(fn, w.engine, *args), w._loop).result(30)
+    def run(self, coro):
+        """Await `coro` on the server's event loop (where the engine client lives)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.state.loop).result(30)
+
+    def engine(self, method: str, *args):
+        """An engine verb (engine/ipc.CALLS) through the server's EngineClient."""
+        return self.run(self.state.engine.call(method, *args))
+
+    def stats(self):
+        """A fresh snapshot of the engine (ipc.EngineStats)."""
+        return self.run(self.state.engine.fresh_stats())
+
+    def check_invariants(self):
+        self.run(self.state.engine.check_invariants())
 
     def wait_idle(self, timeout=30.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.engine_call(lambda e: not e.has_work()) and not self.state.active:
+            st = self.stats()
+            if st.num_waiting == 0 and st.num_running == 0 and not self.state.active:
                 return
             time.sleep(0.05)
         raise AssertionError("engine did not go idle")
@@ -116,8 +128,8 @@ def metric(url: str, name: str, labels: str = "", headers: dict | None = None) -
 
 
 @pytest.fixture(scope="session")
-def server(embedded):
+def server(embedded_dir):
     settings = Settings(engine=EngineConfig(model="embedded", max_rows=16, kv_cache_bytes=128 << 20), port=free_port())
-    srv = LiveServer(settings, LoadedModel(embedded.model, embedded.tokenizer, "gemma-3-270m")).start()
+    srv = LiveServer(settings).start()
     yield srv
     srv.stop()

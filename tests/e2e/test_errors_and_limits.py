@@ -10,7 +10,6 @@ import pytest
 from engine import EngineConfig
 from service.settings import Settings
 from tests.e2e.conftest import LiveServer, free_port
-from tests.helpers import tiny_loaded
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -80,7 +79,7 @@ def test_validation_matrix(server):
     assert not failures, failures
     assert httpx.get(f"{server.url}/health").status_code == 200
     server.wait_idle()
-    server.engine_call(lambda e: e.check_invariants())
+    server.check_invariants()
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200  # still serving
 
@@ -90,7 +89,7 @@ def tiny():
     """A tiny-model server with API keys, a queue of 2 and a short session TTL."""
     settings = Settings(engine=EngineConfig(model="tiny-random", max_rows=2, kv_cache_bytes=1 << 22),
                         port=free_port(), api_keys=("key-a", "key-b"), max_queued=2, session_ttl_s=1.5)
-    srv = LiveServer(settings, tiny_loaded(0))
+    srv = LiveServer(settings)
     srv.headers = {"Authorization": "Bearer key-a"}
     yield srv.start()
     srv.stop()
@@ -200,7 +199,7 @@ def test_queue_full_gives_429_with_retry_after(tiny):
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
     tiny.wait_idle()
-    tiny.engine_call(lambda e: e.check_invariants())
+    tiny.check_invariants()
 
 
 def test_cancel_by_request_id(tiny):
@@ -224,7 +223,7 @@ def test_idle_sessions_expire_and_answer_session_evicted(tiny):
     r = httpx.get(f"{tiny.url}/v1/sessions/{sid}", headers=A)
     assert r.status_code == 410 and r.json()["error"]["code"] == "session_evicted"
     assert tiny.metric("s5_session_evictions_total", 'reason="ttl"') >= 1
-    tiny.engine_call(lambda e: e.check_invariants())
+    tiny.check_invariants()
 
 
 def test_non_streaming_client_disconnect_aborts(tiny):
@@ -234,7 +233,7 @@ def test_non_streaming_client_disconnect_aborts(tiny):
                    headers=A, timeout=1.0)
     tiny.wait_idle(timeout=20)
     assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
-    tiny.engine_call(lambda e: e.check_invariants())
+    tiny.check_invariants()
 
 
 def test_sdk_leaving_generate_early_cancels_and_rolls_back(tiny):
@@ -258,4 +257,4 @@ def test_sdk_leaving_generate_early_cancels_and_rolls_back(tiny):
             list(session.generate([2], max_tokens=2))
         busy.close()
     tiny.wait_idle()
-    tiny.engine_call(lambda e: e.check_invariants())
+    tiny.check_invariants()

@@ -72,7 +72,7 @@ def test_breaking_out_of_a_stream_cancels_it(server):
     stream.close()
     server.wait_idle()
     assert server.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
-    server.engine_call(lambda e: e.check_invariants())
+    server.check_invariants()
 
 
 def test_eight_sdk_sessions_recall_their_own_passkey(server):
@@ -119,7 +119,7 @@ def test_session_prefix_reuse_over_openai_routes(server):
                                            extra_body={"session_id": sid})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     kv = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["kv_tokens"]
-    stored = server.engine_call(lambda e: e.session_tokens(sid))
+    stored = server.engine("session_tokens", sid)
     # continue with exactly the stored history as a completion prompt: everything is reused
     comp = client.completions.create(model="gemma-3-270m", prompt=stored + tok_ids(server, " Next"), max_tokens=3,
                                      temperature=0, extra_headers={"X-Session-Id": sid})
@@ -170,8 +170,7 @@ def test_hundred_streams_thirty_disconnects(server):
     for i in range(100):
         if i not in cut:
             assert disturbed[i] == undisturbed[i], i
-    server.engine_call(lambda e: e.check_invariants())
-    free = server.engine_call(lambda e: e.pool.num_free_rows)
-    sessions = server.engine_call(lambda e: sum(s.row is not None for s in e.sessions.values()))
-    assert free + sessions == server.state.settings.engine.max_rows  # no row leaked
+    server.check_invariants()
+    stats = server.stats()
+    assert stats.rows_used == stats.session_rows  # no row leaked
     assert server.metric("s5_requests_running") == 0 and server.metric("s5_requests_queued") == 0

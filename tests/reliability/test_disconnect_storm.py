@@ -13,7 +13,6 @@ import pytest
 from engine import EngineConfig
 from service.settings import Settings
 from tests.e2e.conftest import LiveServer, free_port
-from tests.helpers import tiny_loaded
 
 SESSIONS, TURNS, CUT_SHARE = 100, 5, 0.3
 
@@ -23,7 +22,7 @@ def storm_server():
     settings = Settings(engine=EngineConfig(model="tiny-random", max_rows=SESSIONS + 8, kv_cache_bytes=1 << 24,
                                             max_num_batched_tokens=256),
                         port=free_port(), max_queued=4 * SESSIONS, session_ttl_s=3600)
-    srv = LiveServer(settings, tiny_loaded(0))
+    srv = LiveServer(settings)
     yield srv.start()
     srv.stop()
 
@@ -68,12 +67,12 @@ async def session_run(client, server, plan):
         if out is None:  # cut: wait until the server has let go of the turn, then look at the history
             while (await client.get(f"/v1/sessions/{sid}")).json()["state"] == "busy":
                 await asyncio.sleep(0.01)
-            tokens = await asyncio.to_thread(server.engine_call, lambda e, s=sid: e.session_tokens(s))
+            tokens = await asyncio.to_thread(server.engine, "session_tokens", sid)
             out = tokens[hist + len(ids):] if len(tokens) > hist else None
         if out is not None:
             hist += len(ids) + len(out)
         done.append((ids, max_tokens, out))
-    tokens = await asyncio.to_thread(server.engine_call, lambda e: e.session_tokens(sid))
+    tokens = await asyncio.to_thread(server.engine, "session_tokens", sid)
     return sid, done, tokens
 
 
@@ -101,9 +100,9 @@ def test_500_streams_30_percent_cut(storm_server):
     undisturbed = asyncio.run(storm(replay_plans))
     mismatches = sum(a != b for (_, d, _), (_, u, _) in zip(disturbed, undisturbed)
                      for a, b in zip([out for _, _, out in d if out is not None], [out for _, _, out in u]))
-    srv.engine_call(lambda e: e.check_invariants())
-    leaked_rows = srv.engine_call(lambda e: e.pool.num_rows - e.pool.num_free_rows
-                                  - sum(s.row is not None for s in e.sessions.values()))
+    srv.check_invariants()
+    stats = srv.stats()
+    leaked_rows = stats.rows_used - stats.session_rows
     print(f"\n{SESSIONS * TURNS} streams, {cut} cut by the client ({cut_effective} before the turn completed), "
           f"{mismatches} completed turns differing from the undisturbed replay, {leaked_rows} leaked rows")
     assert mismatches == 0 and leaked_rows == 0

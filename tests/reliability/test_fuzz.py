@@ -17,7 +17,6 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from engine import EngineConfig
 from service.settings import Settings
 from tests.e2e.conftest import LiveServer, free_port
-from tests.helpers import tiny_loaded
 
 FUZZ_EXAMPLES = int(os.environ.get("S5_FUZZ_EXAMPLES", "300"))
 
@@ -27,7 +26,7 @@ def fuzz_server():
     settings_ = Settings(engine=EngineConfig(model="tiny-random", max_rows=8, kv_cache_bytes=1 << 22,
                                              max_model_len=512),
                          port=free_port(), max_queued=64)
-    srv = LiveServer(settings_, tiny_loaded(0)).start()
+    srv = LiveServer(settings_).start()
     yield srv
     srv.stop()
 
@@ -66,7 +65,7 @@ def test_api_fuzz(fuzz_server):
                 assert mode == schemathesis.GenerationMode.NEGATIVE
                 no_negative.append(operation.label)
     fuzz_server.wait_idle()
-    fuzz_server.engine_call(lambda e: e.check_invariants())
+    fuzz_server.check_invariants()
     cases = sum(statuses.values())
     print(f"\nfuzz: {len(operations)} operations, {cases} cases, statuses {dict(sorted(statuses.items()))}, "
           f"{len(failures)} failed checks; no invalid input exists for {no_negative}")

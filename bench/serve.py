@@ -1,0 +1,492 @@
+"""Served benchmark: what a user gets through the HTTP front door, beside the engine's own rate.
+
+Starts `s5serve serve` (or takes `--base-url` of any OpenAI-compatible server, e.g. llama.cpp's)
+and drives streaming `/v1/completions` with token-id prompts, greedy, `ignore_eos`:
+
+    --mode concurrency   N streams started together, each a distinct prompt (decode-1238 served)
+    --mode rate          --num-prompts requests arriving as a Poisson process of --rate req/s
+    --mode sessions      --sessions conversations of --turns turns: each turn's prompt is the whole
+                         conversation so far plus --turn-tokens new tokens (s5serve: the same
+                         session_id, so only the new part is prefilled; others: prefix caching)
+
+Per N it reports output tok/s, decode tok/s while all streams decode (from the last stream's first
+token to the first stream's last, BENCH.md's definition), TTFT, TPOT and ITL at p50/p90/p99,
+errors, goodput under an SLO (--slo-ttft, --slo-tpot), and the server's event-loop lag (its
+/metrics). For s5serve it also runs the engine itself on the same model, prompts and settings in
+this process (`bench.throughput.run_engine`) before the server starts, so `served / engine` is one
+number from one run. Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's
+`return_token_ids`; a coalesced chunk carries several), else one token per chunk.
+
+    python -m bench.serve --model embedded --n 1 8 32 --new-tokens 128      # CPU, int8 as served
+    python -m bench.serve --shape gemma3-1b --device cuda --dtype bfloat16 --n 64 256 --new-tokens 512
+    python -m bench.serve --base-url http://127.0.0.1:8080 --n 1 8           # any OpenAI server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+# ---- one stream -------------------------------------------------------------------------------------
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dict:
+    """One streaming completion; arrival times and token counts of its chunks."""
+    delay = start_at - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.monotonic()
+    chunks: list[tuple[float, int]] = []  # (arrival, tokens)
+    ids: list[int] = []  # the tokens, where the server sends them
+    usage, error = None, None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"sent": sent, "chunks": [], "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    error = str(obj["error"])
+                    break
+                now = time.monotonic()
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices", []):
+                    got = ch.get("token_ids") or ch.get("tokens")  # s5serve and vLLM, llama.cpp
+                    n = len(got) if got is not None else (1 if ch.get("text") else 0)
+                    if n:
+                        chunks.append((now, n))
+                        ids.extend(got or [])
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"sent": sent, "chunks": chunks, "ids": ids, "usage": usage, "error": error}
+
+
+async def _run_streams(base_url: str, bodies: list[dict], starts: list[float]) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as client:
+        return await asyncio.gather(*(_stream(client, b, s) for b, s in zip(bodies, starts)))
+
+
+def _client_proc(base_url: str, bodies: list[dict], starts: list[float]) -> list[dict]:
+    return asyncio.run(_run_streams(base_url, bodies, starts))
+
+
+def drive(base_url: str, bodies: list[dict], offsets: list[float], procs: int) -> list[dict]:
+    """Send `bodies` at `offsets` seconds from now, spread over `procs` client processes (so
+    the client is not the limit); CLOCK_MONOTONIC is shared by the processes of one machine."""
+    t0 = time.monotonic() + 1.0 + 0.2 * procs
+    starts = [t0 + o for o in offsets]
+    if procs <= 1:
+        return _client_proc(base_url, bodies, starts)
+    parts = [list(range(i, len(bodies), procs)) for i in range(procs)]
+    out: list[dict | None] = [None] * len(bodies)
+    with ProcessPoolExecutor(procs) as pool:
+        futs = [pool.submit(_client_proc, base_url, [bodies[i] for i in p], [starts[i] for i in p]) for p in parts]
+        for p, f in zip(parts, futs):
+            for i, res in zip(p, f.result()):
+                out[i] = res
+    return out
+
+
+# ---- figures -----------------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(results: list[dict], slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in results if not r["error"] and r["chunks"]]
+    errors = [r["error"] for r in results if r["error"]]
+    ttft = [r["chunks"][0][0] - r["sent"] for r in ok]
+    itl, tpot, good = [], [], 0
+    for r in ok:
+        times = [t for t, _ in r["chunks"]]
+        n = sum(k for _, k in r["chunks"])
+        # ITL per chunk, split evenly over the tokens it carried (a coalesced chunk is k tokens)
+        for (t_prev, _), (t, k) in zip(r["chunks"], r["chunks"][1:]):
+            itl.extend([(t - t_prev) / k] * k)
+        tp = (times[-1] - times[0]) / (n - r["chunks"][0][1]) if n > r["chunks"][0][1] else 0.0
+        tpot.append(tp)
+        good += (times[0] - r["sent"]) <= slo_ttft and tp <= slo_tpot
+    total = sum(k for r in ok for _, k in r["chunks"])
+    start = min(r["sent"] for r in results)
+    end = max(r["chunks"][-1][0] for r in ok) if ok else start
+    # BENCH.md: decode rate with every stream decoding, from the last stream's first token to the
+    # first stream's last; tokens of a chunk arrive with it (its first token is the one that ends TTFT)
+    decode = None
+    if ok:
+        t_all = max(r["chunks"][0][0] for r in ok)
+        t_done = min(r["chunks"][-1][0] for r in ok)
+        in_window = sum(k for r in ok for t, k in r["chunks"] if t_all < t <= t_done)
+        if t_done > t_all and in_window >= 8 * len(ok):
+            decode = in_window / (t_done - t_all)
+    span = end - start
+    return {
+        "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
+        "output_tokens": total, "output_tok_s": total / span if span > 0 else None, "decode_tok_s": decode,
+        "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)} | {"mean": sum(ttft) / len(ttft) if ttft else None},
+        "tpot_s": {f"p{q}": pct(tpot, q) for q in (50, 90, 99)},
+        "itl_s": {f"p{q}": pct(itl, q) for q in (50, 90, 99)},
+        "chunks_per_token": sum(len(r["chunks"]) for r in ok) / total if total else None,
+        "goodput_req_s": good / span if span > 0 else None, "good_requests": good,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+    }
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Counters and histogram sums of the server's /metrics that the run reports (s5serve)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("s5_") and not line.startswith("#"):
+            key, _, val = line.rpartition(" ")
+            try:
+                out[key] = float(val)
+            except ValueError:
+                pass
+    return out
+
+
+def loop_lag(before: dict, after: dict) -> dict:
+    """Event-loop lag over the run from the s5_event_loop_lag_seconds histogram: samples, mean,
+    the bucket bound under which 99% fell, and the worst seen."""
+    name = "s5_event_loop_lag_seconds"
+    count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+    if count <= 0:
+        return {}
+    total = after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)
+    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), after[k] - before.get(k, 0))
+                     for k in after if k.startswith(f"{name}_bucket") and "+Inf" not in k)
+    p99 = next((le for le, c in buckets if c >= 0.99 * count), None)
+    return {"samples": count, "mean_s": total / count, "p99_le_s": p99,
+            "max_s": after.get("s5_event_loop_lag_max_seconds")}
+
+
+# ---- the server under test ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_spec(a, workdir: Path) -> str:
+    """`--model`, or a `random:` directory holding a BENCH.md shape's config (and a tokenizer)."""
+    if not a.shape:
+        return a.model
+    from bench.throughput import shape_config
+
+    cfg, _ = shape_config(a.shape)
+    d = workdir / a.shape
+    cfg.save_pretrained(d)
+    if a.tokenizer:  # a real tokenizer of the same vocabulary: the server detokenizes as it would
+        for f in Path(a.tokenizer).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+                shutil.copy(f, d / f.name)
+    return f"random:{d}"
+
+
+def engine_rate(spec: str, a, prompts, n: int) -> dict:
+    """The engine alone on the same model, prompts and settings, in this process."""
+    import torch
+
+    from bench.throughput import run_engine
+    from engine import EngineConfig
+    from engine.model_loader import load_model
+
+    cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype, quantization=a.quantization)
+    loaded = load_model(cfg)
+    res = run_engine(loaded, "s5", prompts, a.new_tokens, a.device, **engine_settings(a, n))
+    del loaded
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
+
+
+def engine_settings(a, n: int) -> dict:
+    return {"max_rows": max(n, 1), "max_num_batched_tokens": a.max_batched_tokens,
+            "kv_cache_bytes": max(2 << 30, n * (64 << 20)) if a.device.startswith("cuda") else max(1 << 30, n * (32 << 20))}
+
+
+def start_server(spec: str, a, n: int, port: int, log: Path) -> subprocess.Popen:
+    es = engine_settings(a, n)
+    args = [sys.executable, "-m", "service.cli", "serve", "--model", spec, "--device", a.device, "--dtype", a.dtype,
+            "--quantization", a.quantization or "none", "--rows", str(es["max_rows"]),
+            "--max-num-batched-tokens", str(es["max_num_batched_tokens"]), "--kv-cache-bytes", str(es["kv_cache_bytes"]),
+            "--queue-size", str(max(256, 4 * n)), "--session-db", "none", "--port", str(port)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server never became ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+
+
+def completion(prompt: list[int], a, model: str | None, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": a.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "return_tokens": True, **extra}
+    if model:
+        body["model"] = model
+    return body
+
+
+def run_sessions(url: str, a, vocab: int, model: str | None) -> dict:
+    """Multi-turn: every turn of a conversation waits for the one before; conversations run
+    concurrently, arrivals staggered over the first second."""
+    rng = random.Random(1)
+
+    async def conversation(client: httpx.AsyncClient, c: int) -> list[dict]:
+        await asyncio.sleep(rng.random())
+        history: list[int] = []
+        turns = []
+        sid = None
+        if a.session_ids:
+            r = await client.post("/v1/sessions")
+            sid = r.json()["id"] if r.status_code == 200 else None
+        for _ in range(a.turns):
+            new = [rng.randrange(3, vocab) for _ in range(a.turn_tokens)]
+            prompt = history + new
+            body = completion(prompt, a, model, **({"session_id": sid} if sid else {}))
+            res = await _stream(client, body, 0)
+            res["prompt_tokens"] = len(prompt)
+            res["cached"] = ((res.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            turns.append(res)
+            if res["error"]:
+                break
+            history = prompt + res["ids"]  # the conversation goes on from what the model said
+        return turns
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600)) as client:
+            return await asyncio.gather(*(conversation(client, c) for c in range(a.sessions)))
+
+    convs = asyncio.run(main())
+    per_turn = []
+    for t in range(a.turns):
+        rs = [c[t] for c in convs if len(c) > t]
+        ok = [r for r in rs if not r["error"] and r["chunks"]]
+        ttft = [r["chunks"][0][0] - r["sent"] for r in ok]
+        cached = [r["cached"] for r in ok if r["cached"] is not None]
+        per_turn.append({"turn": t + 1, "requests": len(rs), "errors": len(rs) - len(ok),
+                         "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
+                         "prompt_tokens_mean": sum(r["prompt_tokens"] for r in ok) / max(len(ok), 1),
+                         "cached_tokens_mean": sum(cached) / len(cached) if cached else None})
+    flat = [r for c in convs for r in c]
+    return {"per_turn": per_turn, "all": summarize(flat, a.slo_ttft, a.slo_tpot)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--shape", default=None, help="random-weight BENCH.md shape (bench.throughput.SHAPES)")
+    ap.add_argument("--tokenizer", default=None, help="a directory whose tokenizer the --shape model uses")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="engine weights: int8 (CPU), bnb-4bit (CUDA); "
+                    "default: int8 on the CPU with float32 (as served), else none")
+    ap.add_argument("--base-url", default=None, help="measure this server instead of starting s5serve")
+    ap.add_argument("--served-model", default=None, help="the `model` field to send (peers that need one)")
+    ap.add_argument("--mode", choices=["concurrency", "rate", "sessions"], default="concurrency")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (--mode rate)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests (--mode rate)")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=200)
+    ap.add_argument("--session-ids", action=argparse.BooleanOptionalAction, default=True,
+                    help="sessions mode: send s5serve session ids (off for peers)")
+    ap.add_argument("--prompt-len", type=int, default=1238)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.1)
+    ap.add_argument("--engine-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the engine alone on the same workload (s5serve only)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    if a.quantization is None and a.device == "cpu" and a.dtype == "float32" and not a.shape:
+        a.quantization = "int8"  # what `s5serve serve` runs on the CPU
+    if a.base_url:
+        a.engine_baseline = False
+
+    from bench.throughput import cpu_name, git_commit, prompts_for
+
+    work = Path(tempfile.mkdtemp(prefix="s5bench-"))
+    spec = model_spec(a, work) if not a.base_url else None
+    vocab, tokenizer = 32000, None
+    if spec:
+        from transformers import AutoConfig
+
+        from engine import EngineConfig
+        from engine.model_loader import embedded_dir, load_tokenizer
+
+        cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype)
+        tokenizer = load_tokenizer(cfg)
+        path = str(embedded_dir()) if spec == "embedded" else spec.removeprefix("random:")
+        vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    rows = []
+    head = (f"{'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
+            f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+            f"{'lag p99 ms':>10} {'errors':>6}")
+    print(head, flush=True)
+    ns = a.n if a.mode == "concurrency" else [a.sessions if a.mode == "sessions" else max(a.n)]
+    for n in ns:
+        prompts = prompts_for(tokenizer, vocab, n if a.mode == "concurrency" else a.num_prompts, a.prompt_len,
+                              seed=n)
+        eng = engine_rate(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
+        proc, url = None, a.base_url
+        if not url:
+            port = free_port()
+            proc = start_server(spec, a, n if a.mode != "rate" else max(a.n), port, work / f"server-{n}.log")
+            url = f"http://127.0.0.1:{port}"
+        try:
+            warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4)]
+            drive(url, warm, [0.0], 1)
+            before = scrape(url)
+            if a.mode == "sessions":
+                res = run_sessions(url, a, vocab, a.served_model)
+                summ = res["all"]
+            else:
+                bodies = [completion(p, a, a.served_model) for p in prompts]
+                if a.mode == "rate":
+                    rng = random.Random(0)
+                    offsets, t = [], 0.0
+                    for _ in bodies:
+                        offsets.append(t)
+                        t += rng.expovariate(a.rate)
+                else:
+                    offsets = [0.0] * len(bodies)
+                results = drive(url, bodies, offsets, a.client_procs)
+                summ, res = summarize(results, a.slo_ttft, a.slo_tpot), None
+            after = scrape(url)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+        lag = loop_lag(before, after)
+        row = {"mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
+               "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
+                                             if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
+               "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_s"]
+                                           if eng and summ["ttft_s"]["p50"] is not None else None)}
+        if res is not None:
+            row["per_turn"] = res["per_turn"]
+        rows.append(row)
+
+        def f(x, scale=1.0, fmt=".1f"):
+            return format(x * scale, fmt) if x is not None else "-"
+
+        print(f"{a.mode:>11} {n:>4} {f(summ['decode_tok_s']):>16} {f(eng and eng['decode_tok_s']):>16} "
+              f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
+              f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
+              f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
+              f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {summ['errors']:>6}", flush=True)
+        if res is not None:
+            for t in res["per_turn"]:
+                print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
+                      f"{t['prompt_tokens_mean']:.0f} tokens, cached {f(t['cached_tokens_mean'], fmt='.0f')}")
+    shutil.rmtree(work, ignore_errors=True)
+    import torch
+
+    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = a.shape or (a.model if not a.base_url else "peer")
+    stem = f"serve-{a.device.split(':')[0]}-{Path(name).name}-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}"
+    import transformers
+
+    (out / f"{stem}.json").write_text(json.dumps({
+        "bench": "serve", "device": device, "model": name, "dtype": a.dtype, "quantization": a.quantization,
+        "base_url": a.base_url, "policy": "s5" if not a.base_url else None,
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                     "transformers": transformers.__version__, "commit": git_commit()},
+        "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
+                     "ignore_eos": True, "client_procs": a.client_procs},
+        "rows": rows}, indent=1))
+    print(f"wrote {out / stem}.json")
+    if a.mode == "concurrency" and len(rows) > 1:
+        plot(rows, out / f"{stem}.png", name)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return
+    ns = [r["n"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ns, [r["decode_tok_s"] or 0 for r in rows], "o-", label="served (HTTP, SSE)")
+    if any(r["engine"] for r in rows):
+        ax1.plot(ns, [(r["engine"] or {}).get("decode_tok_s") or 0 for r in rows], "s--", label="engine alone")
+    ax1.set_xlabel("concurrent streams")
+    ax1.set_ylabel("decode tok/s (all streams decoding)")
+    ax1.set_xscale("log", base=2)
+    ax1.legend()
+    for q in ("p50", "p99"):
+        ax2.plot(ns, [(r["itl_s"][q] or 0) * 1e3 for r in rows], "o-", label=f"ITL {q}")
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_ylabel("ms")
+    ax2.set_xscale("log", base=2)
+    ax2.legend()
+    fig.suptitle(f"served throughput and inter-token latency: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""EngineClient: the front end's only way to the engine, which runs in a process of its own.
+
+    client = EngineClient(config)
+    info = await client.start()                  # spawns the engine process, waits until it is warm
+    stream = await client.generate(request)      # raises EngineError if the engine refuses it
+    async for delta in stream:                   # everything new since the last iteration
+        ...
+    await client.shutdown()
+
+The engine publishes one message per step for all its rows; a receiver task on the event loop
+routes each row's tokens to its `RequestStream`. A stream hands its consumer everything that
+arrived since the consumer last asked (`Delta`): a consumer slower than the engine gets its tokens
+coalesced instead of queued one by one, and the receiver's work per row per step is an append.
+Leaving a stream before it finishes (an exception, a cancelled task, `aclose`) aborts the request
+at the engine's next step boundary.
+
+If the engine process dies (its loop failed, or it was killed), `alive` turns False at once, every
+open stream ends with an error delta, calls in flight raise `EngineDead`, and `on_death` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import ipc
+from engine.config import EngineConfig
+from engine.types import EngineError, FinishReason, Request
+
+log = logging.getLogger("s5serve.client")
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone."""
+
+
+class Delta:
+    """What a stream hands its consumer: every token that arrived since the last delta, and the
+    request's counts as of the newest of them."""
+
+    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+                 "num_output_tokens", "error", "arrived")
+
+    def __init__(self, token_ids: list[int], last: ipc.Output, arrived: float) -> None:
+        self.token_ids = token_ids
+        self.finished = last.finished
+        self.finish_reason = last.finish_reason
+        self.num_prompt_tokens = last.num_prompt_tokens  # tokens prefilled for this turn
+        self.num_cached_tokens = last.num_cached_tokens  # history tokens reused from the row
+        self.num_output_tokens = last.num_output_tokens  # tokens generated so far
+        self.error = last.error  # set with FinishReason.ERROR
+        self.arrived = arrived  # time.monotonic() when the newest of these tokens arrived
+
+
+class RequestStream:
+    """One request's outputs, coalesced. Iterate it (`async for delta in stream`); the last delta
+    has `finished` set."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self._ids: list[int] = []
+        self._last: ipc.Output | None = None
+        self._arrived = 0.0
+        self._ready = asyncio.Event()
+        self._done = False  # the final output arrived
+        self._delivered = False  # ... and was handed out
+
+    def _push(self, out: ipc.Output, now: float) -> None:
+        self._ids += out.new_token_ids
+        self._last, self._arrived = out, now
+        if out.finished:
+            self._done = True
+        self._ready.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._delivered:
+            raise StopAsyncIteration
+        try:
+            while self._last is None or (not self._ids and not self._done):
+                self._ready.clear()
+                await self._ready.wait()
+        except BaseException:
+            self.abort()
+            raise
+        delta = Delta(self._ids, self._last, self._arrived)
+        self._ids = []
+        if self._done:
+            self._delivered = True
+            self.client._streams.pop(self.request_id, None)
+        return delta
+
+    def abort(self) -> None:
+        """End the request at the engine's next step (a no-op once it finished)."""
+        if not self._done:
+            self._done = True
+            self.client._streams.pop(self.request_id, None)
+            self.client.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None,
+                 log_level: int = logging.INFO) -> None:
+        self.config = config
+        self.on_death = on_death  # called once, on the event loop, if the engine process dies
+        self.log_level = log_level
+        self.info: ipc.EngineInfo | None = None
+        self.stats: ipc.EngineStats | None = None  # the newest snapshot the engine published
+        self.on_step: Callable[[ipc.StepOutputs], None] | None = None  # metrics, on the event loop
+        self.error: str | None = None  # why the engine is gone
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._encode = ipc.encoder().encode
+        self._proc = None
+        self._receiver: asyncio.Task | None = None
+        self._stopping = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> ipc.EngineInfo:
+        """Start the engine process and wait until it is loaded and warm. Raises RuntimeError
+        (with the engine's reason) if it fails to start."""
+        self._loop = asyncio.get_running_loop()
+        in_addr, out_addr = ipc.endpoints()
+        self._dir = in_addr[len("ipc://"):].rsplit("/", 1)[0]
+        self._ctx = zmq.Context(1)
+        self._actx = zmq.asyncio.Context(1)
+        self._inbox = self._ctx.socket(zmq.PUSH)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(in_addr)
+        self._outbox = self._actx.socket(zmq.PULL)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.bind(out_addr)
+        # a fresh interpreter (`python -m engine.process`), its config on stdin: nothing of this
+        # process (threads, CUDA state, the caller's main module) is inherited
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.process", in_addr, out_addr, str(os.getpid()), str(self.log_level)],
+            stdin=subprocess.PIPE)
+        self._proc.stdin.write(msgspec.json.encode(self.config))
+        self._proc.stdin.close()
+        self._exited = self._loop.create_future()
+        threading.Thread(target=self._wait_exit, name="s5serve-engine-watch", daemon=True).start()
+        decode = ipc.decoder(ipc.FromEngine).decode
+        first = asyncio.ensure_future(self._outbox.recv(copy=False))
+        done, _ = await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        if first not in done:
+            first.cancel()
+            raise RuntimeError(self.error or "the engine process exited while starting")
+        msg = decode(first.result().buffer)
+        if isinstance(msg, ipc.Failed):
+            self.error = msg.error
+            await self._reap()
+            raise RuntimeError(msg.error)
+        assert isinstance(msg, ipc.Started), msg
+        self.info = msg.info
+        self._receiver = asyncio.create_task(self._receive(decode), name="s5serve-engine-receiver")
+        return self.info
+
+    @property
+    def alive(self) -> bool:
+        return self.info is not None and self.error is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished (or abandoned)."""
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (it ends every request), then release the sockets."""
+        self._stopping = True
+        if self._proc is None:
+            return
+        if self._proc.poll() is None and self.error is None:
+            self._send(ipc.Shutdown())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the engine did not stop within %.0f s; killing it", timeout)
+        await self._reap()
+
+    async def _reap(self) -> None:
+        self._stopping = True
+        if self._proc.poll() is None:
+            self._proc.kill()
+        await asyncio.shield(self._exited)
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._inbox.close()
+        self._outbox.close()
+        self._ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _wait_exit(self) -> None:
+        """On a thread of its own: the moment the process ends, tell the event loop."""
+        code = self._proc.wait()
+        try:
+            self._loop.call_soon_threadsafe(self._on_exit, code)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _on_exit(self, code: int) -> None:
+        if not self._exited.done():
+            self._exited.set_result(code)
+        if not self._stopping:
+            self._die(self.error or f"engine process exited (code {code})")
+
+    def _die(self, why: str) -> None:
+        first = self.error is None
+        self.error = why
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(why))
+        self._calls.clear()
+        now = time.monotonic()
+        for rid, stream in list(self._streams.items()):
+            stream._push(ipc.Output(rid, [], True, FinishReason.ERROR, 0, 0, 0, why), now)
+        self._streams.clear()
+        if first:
+            log.error("the engine is gone: %s", why)
+            if self.on_death is not None:
+                self.on_death(why)
+
+    # ---- the receiver ------------------------------------------------------------------------------
+    async def _receive(self, decode) -> None:
+        outbox, streams, calls = self._outbox, self._streams, self._calls
+        while True:
+            try:
+                frame = await outbox.recv(copy=False)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            msg = decode(frame.buffer)
+            if isinstance(msg, ipc.StepOutputs):
+                now = time.monotonic()
+                for out in msg.outputs:
+                    stream = streams.get(out.request_id)
+                    if stream is not None:
+                        stream._push(out, now)
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                if self.on_step is not None:
+                    self.on_step(msg)
+            elif isinstance(msg, ipc.Reply):
+                fut = calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    if msg.error is not None:
+                        fut.set_exception(EngineError(msg.error.message, msg.error.code, msg.error.param))
+                    else:
+                        fut.set_result(msg.result)
+            elif isinstance(msg, ipc.Failed):
+                self._die(msg.error)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        self._inbox.send(self._encode(msg), zmq.NOBLOCK)
+
+    def _future(self) -> tuple[int, asyncio.Future]:
+        if not self.alive:
+            raise EngineDead(self.error or "the engine is not running")
+        call_id = next(self._ids)
+        fut = self._loop.create_future()
+        self._calls[call_id] = fut
+        return call_id, fut
+
+    async def generate(self, request: Request) -> RequestStream:
+        """Submit a request; its stream. Raises EngineError (nothing changed) if it is refused."""
+        call_id, fut = self._future()
+        stream = RequestStream(self, request.request_id)
+        self._streams[request.request_id] = stream
+        try:
+            self._send(ipc.Submit(call_id, request))
+            await fut
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            if not fut.done():  # cancelled while the engine decides: abort whatever it decided
+                self.abort(request.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the engine's next step boundary (no-op if it already ended)."""
+        if self.alive:
+            self._send(ipc.Abort([request_id]))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run an engine verb (ipc.CALLS) between steps; its result, or the EngineError it raised."""
+        call_id, fut = self._future()
+        self._send(ipc.Call(call_id, method, list(args)))
+        return await fut
+
+    # typed faces of `call`
+    async def create_session(self, owner: str | None = None) -> str:
+        return await self.call("create_session", None, owner)
+
+    async def close_session(self, session_id: str, owner: str | None = None) -> bool:
+        return await self.call("close_session", session_id, owner)
+
+    async def reset_session(self, session_id: str, owner: str | None = None) -> None:
+        await self.call("reset_session", session_id, owner)
+
+    async def release_row(self, session_id: str, owner: str | None = None) -> bool:
+        return await self.call("release_row", session_id, owner)
+
+    async def session_info(self, session_id: str, owner: str | None = None) -> dict:
+        return await self.call("session_info", session_id, owner)
+
+    async def session_tokens(self, session_id: str, owner: str | None = None) -> list[int]:
+        return await self.call("session_tokens", session_id, owner)
+
+    async def expire_idle(self, ttl_seconds: float) -> list[str]:
+        return await self.call("expire_idle", ttl_seconds)
+
+    async def fresh_stats(self) -> ipc.EngineStats:
+        """A snapshot taken now (between steps), not the last one published."""
+        return msgspec.convert(await self.call("stats"), ipc.EngineStats)
+
+    async def check_invariants(self) -> None:
+        """Raises EngineError(code="invariant_violated") if the engine's books do not balance."""
+        await self.call("check_invariants")
