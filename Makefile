@@ -14,32 +14,46 @@ PORT ?= 8000
 TORCH_VERSION ?= 2.13.0
 # On the CPU, torch comes from torch's own index of CPU-only builds: the default index's Linux
 # torch is a CUDA build that brings ~20 nvidia-* packages (several GB). The default index stays
-# an extra index for torch's own dependencies; a CPU build also wins over the default index's
-# release of the same version (its `+cpu` local version sorts higher). Where torch's index cannot
-# be reached, pip takes the pinned release from the other sources it knows (a CPU wheel that pip
-# is configured to find locally, else the default index's CUDA build: the check below says so).
+# an extra index for torch's own dependencies (the CPU build's `+cpu` local version sorts above
+# the default index's release of the same version, so it wins). Where torch's index cannot be
+# reached (checked once, before pip runs), pip takes the pinned release from the sources it is
+# configured with: a CPU wheel it finds locally, else the default index's CUDA build, which the
+# check after it reports.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# DEVICE=cuda: empty takes the default index's CUDA build; https://download.pytorch.org/whl/cuXYZ
+# picks a CUDA version.
+TORCH_CUDA_INDEX ?=
 DEFAULT_INDEX ?= https://pypi.org/simple
 ifeq ($(DEVICE),cuda)
-TORCH_PIP_ARGS ?=
+TORCH_INDEX := $(TORCH_CUDA_INDEX)
 EXTRAS := test,cuda
 SERVE_DEVICE := --device cuda --dtype bfloat16
 else
-TORCH_PIP_ARGS ?= --index-url $(TORCH_CPU_INDEX) --extra-index-url $(DEFAULT_INDEX)
+TORCH_INDEX := $(TORCH_CPU_INDEX)
 EXTRAS := test
 SERVE_DEVICE :=
 endif
+INDEX_UP := import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=15)
 TORCH_CHECK := import sys, torch; cuda = torch.version.cuda; want = sys.argv[1]; \
   print("torch", torch.__version__, "(CUDA " + cuda + " build)" if cuda else "(CPU-only build)"); \
   cuda and want == "cpu" and print("warning: a CUDA build of torch on a CPU install: the CPU index " \
     "was not reachable (TORCH_CPU_INDEX may name a mirror of it)"); \
-  not cuda and want == "cuda" and print("warning: this torch has no CUDA: pass " \
-    "TORCH_PIP_ARGS=\"--index-url https://download.pytorch.org/whl/cuXYZ\" for your CUDA version")
+  not cuda and want == "cuda" and print("warning: this torch has no CUDA: set TORCH_CUDA_INDEX to " \
+    "https://download.pytorch.org/whl/cuXYZ for your CUDA version")
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
+	@if [ -z "$(TORCH_INDEX)" ]; then \
+	  echo "$(BIN)/pip install torch==$(TORCH_VERSION)"; \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	elif $(BIN)/python -c '$(INDEX_UP)' "$(TORCH_INDEX)" 2>/dev/null; then \
+	  echo "$(BIN)/pip install torch==$(TORCH_VERSION) from $(TORCH_INDEX)"; \
+	  $(BIN)/pip install -q --index-url "$(TORCH_INDEX)" --extra-index-url "$(DEFAULT_INDEX)" "torch==$(TORCH_VERSION)"; \
+	else \
+	  echo "$(TORCH_INDEX) is not reachable: pip install torch==$(TORCH_VERSION) from the configured indexes"; \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	fi
 	$(BIN)/python -c '$(TORCH_CHECK)' $(DEVICE)
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
