@@ -54,7 +54,7 @@ $(BIN)/.installed: pyproject.toml
 	  echo "$(TORCH_INDEX) is not reachable: pip install torch==$(TORCH_VERSION) from the configured indexes"; \
 	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(BIN)/python -W ignore -c '$(TORCH_CHECK)' $(DEVICE)
+	@$(BIN)/python -W ignore -c '$(TORCH_CHECK)' $(DEVICE)
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 

@@ -241,6 +241,12 @@ def test_model_is_baked_in_by_the_image_user_where_no_volume_hides_it(kind):
         for vol in svc.get("volumes", []):
             target = PurePosixPath(str(vol).split(":")[1])
             assert target != cache and target not in cache.parents, f"{name}: volume {vol} hides the model"
+    owned = " ".join(a for k, a in steps if k == "RUN" and "chown" in a)
+    for svc in compose()["services"].values():  # a fresh volume takes the owner of the image's directory
+        for vol in svc.get("volumes", []):
+            target = PurePosixPath(str(vol).split(":")[1])
+            assert any(str(p) in owned.split() for p in (target, *target.parents) if str(p) != "/"), \
+                f"{kind}: {target} is not made the user's in the image"
     data = PurePosixPath(env["S5_SESSION_DB"]).parent
     assert all(any(PurePosixPath(str(v).split(":")[1]) == data for v in svc.get("volumes", []))
                for svc in compose()["services"].values()), "session transcripts must be on a volume"
