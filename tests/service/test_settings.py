@@ -139,6 +139,7 @@ def test_top_level_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"  {name}" in out for name in ("serve", "chat", "bench"))
+    assert main(["--version"]) == 0 and "s5serve" in capsys.readouterr().out
     assert main([]) == 2 and main(["nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
