@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 import re
 import shlex
 import subprocess
@@ -80,7 +81,9 @@ def makefile_var(name: str) -> str:
 
 def make_dry_run(*args: str) -> str:
     """The commands `make -n` would run (nothing is run, nothing installed)."""
-    return subprocess.run(["make", "-n", "-B", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
+    return subprocess.run(["make", "-n", "-B", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True).stdout
 
 
 def imported_project_packages(module: Path, seen: set[Path] | None = None) -> set[str]:
