@@ -12,15 +12,26 @@ policy); a server started with another fingerprint leaves them in the file and d
 
 One engine thread uses the connection (the engine is single-threaded). WAL mode with
 synchronous=NORMAL: a committed turn survives a crash of the process.
+
+One process per file: a SessionDB holds an exclusive lock (`SessionFileLock`, flock on
+`<file>.lock`) for as long as it is open, so a second server on the same file fails at once
+(`SessionFileBusy`) instead of both writing and each losing the other's turns. The server probes
+the lock before it starts anything slow; its engine process's SessionDB then holds it.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock (one server per file is then on the user)
+    fcntl = None  # type: ignore[assignment]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -41,6 +52,50 @@ CREATE TABLE IF NOT EXISTS turns (
     PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 """
+
+
+class SessionFileBusy(RuntimeError):
+    """Another process has the session file open."""
+
+
+class SessionFileLock:
+    """An exclusive lock on a session file: flock on `<file>.lock` beside it, held until
+    `release` (or until the process ends: the kernel drops the lock with the process, so a crash
+    leaves no stale lock). The lock file itself stays; it records the holder's pid for the
+    message a second process gets."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser().absolute()
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._fd: int | None = None
+        if fcntl is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise SessionFileBusy(
+                f"the session file {self.path} is in use by another s5serve process"
+                f"{f' (pid {holder})' if holder.isdigit() else ''}; one server per file: stop that "
+                f"server, or start this one with its own file (--session-db FILE, or --session-db "
+                f"none to keep sessions in memory only)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> SessionFileLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -72,14 +127,20 @@ class SessionDB:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.fingerprint = fingerprint
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
+        self._lock = SessionFileLock(path)  # SessionFileBusy if another process has the file
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(SCHEMA)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def close(self) -> None:
         self._db.close()
+        self._lock.release()
 
     # ---- reads (startup, and a session's first turn after it) ----------------------------------
     def load(self) -> tuple[list[StoredSession], int]:

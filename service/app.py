@@ -92,9 +92,11 @@ async def _start(state: AppState) -> None:
         state.ready = True
         log.info("s5serve ready: model %s, kv policy %s, engine process %d", state.model_name,
                  state.settings.engine.kv_policy, info.pid)
-    except Exception as exc:  # readiness stays 503 and says why
-        log.exception("startup failed")
+    except Exception as exc:  # readiness answers 503 with the reason; `s5serve serve` exits 1
+        log.error("startup failed: %s", exc)
         state.load_error = str(exc)
+        if state.on_fatal is not None:
+            state.on_fatal()
 
 
 def _engine_died(state: AppState, why: str, settle: float = 1.0) -> None:

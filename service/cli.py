@@ -12,19 +12,31 @@ import time
 def _serve(argv: list[str]) -> int:
     import uvicorn
 
+    from engine.session_db import SessionFileBusy, SessionFileLock
     from service.app import create_app
-    from service.settings import parse_serve_args
+    from service.settings import exposure_warning, parse_serve_args
 
     settings = parse_serve_args(argv)
     # Long prompts are tokenized on a worker thread; a shorter GIL switch interval (default 5 ms)
     # lets the event loop thread in sooner meanwhile.
     sys.setswitchinterval(0.001)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("s5serve")
+    # One server per session file, checked before anything slow; the engine process's SessionDB
+    # then holds the lock for as long as it runs.
+    try:
+        if settings.engine.session_db:
+            SessionFileLock(settings.engine.session_db).release()
+    except SessionFileBusy as e:
+        print(f"s5serve: {e}", file=sys.stderr)
+        return 1
+    if (warning := exposure_warning(settings)) is not None:
+        log.warning(warning)
     if settings.engine.model == "embedded":
         from engine.model_loader import embedded_dir
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
-        embedded_dir(settings.engine.cache_dir)  # transformers shows a progress bar while converting
+        embedded_dir(settings.engine.cache_dir, report=lambda line: print(line, flush=True))
     app = create_app(settings)
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                            timeout_keep_alive=int(settings.keep_alive_s),
@@ -32,7 +44,7 @@ def _serve(argv: list[str]) -> int:
                             app.state.s5)
     app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1
     server.run()
-    return 1 if app.state.s5.fatal else 0
+    return 1 if app.state.s5.fatal or app.state.s5.load_error else 0
 
 
 def _drain_server_class():
@@ -79,11 +91,12 @@ def DrainingServer(config, state):  # noqa: N802 - a factory that keeps uvicorn 
 def _chat(argv: list[str]) -> int:
     from service.client import Client, S5Error
 
-    p = argparse.ArgumentParser(prog="s5serve chat", description="Chat in the terminal over a session.")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p = argparse.ArgumentParser(prog="s5serve chat", description="Chat in the terminal over a session.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--api-key", default=None, help="API key, if the server requires one")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     a = p.parse_args(argv)
     with Client(a.url, a.api_key) as client, client.create_session() as session:
         print(f"session {session.id} (Ctrl-D to quit)")
@@ -112,13 +125,39 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = {
+    "serve": (_serve, "serve a model over HTTP (OpenAI-compatible routes and sessions, SSE)"),
+    "chat": (_chat, "chat in the terminal over a session of a running server"),
+    "bench": (_bench, "run the engine throughput benchmark"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: s5serve COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<7}{about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "s5serve COMMAND --help shows a command's options."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": _serve, "chat": _chat, "bench": _bench}
-    if not argv or argv[0] not in commands:
-        print("usage: s5serve {serve,chat,bench} [options]   (s5serve serve --help)")
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv and argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"s5serve {version('s5serve')}")
+        except PackageNotFoundError:
+            print("s5serve (not installed)")
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        if argv:
+            print(f"s5serve: unknown command {argv[0]!r}", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    return COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

