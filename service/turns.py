@@ -35,7 +35,8 @@ def valid_text(text: str, param: str) -> str:
 
 
 def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    max_tokens = body.max_completion_tokens or body.max_tokens or 256
+    given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
+    max_tokens = given[0] if given else 256  # 0 (session route only): an append
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens,
@@ -62,9 +63,10 @@ def check_model(state, model: str | None) -> None:
 
 
 async def start_turn(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
-                     owner: str | None, match_prefix: bool) -> Turn:
+                     owner: str | None, match_prefix: bool, expect_history_len: int | None = None) -> Turn:
     """Submit a turn. With `match_prefix`, `prompt_ids` is the whole conversation: the stored
-    history must be its prefix (only the rest is prefilled), else the session is re-prefilled."""
+    history must be its prefix (only the rest is prefilled), else the session is re-prefilled.
+    `expect_history_len`: the history length `prompt_ids` was prepared against (see Request)."""
     require_ready(state)
     m = state.metrics
     if session_id is not None:
@@ -87,7 +89,7 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
 
     try:
         new_ids = prompt_ids if session_id is None else await worker.call(plan, worker.engine)
-        raw = await worker.generate(Request(rid, new_ids, params, session_id))
+        raw = await worker.generate(Request(rid, new_ids, params, session_id, expect_history_len))
     except EngineError as err:
         m.rejections.labels(err.code).inc()
         raise from_engine(err) from err
@@ -112,6 +114,9 @@ async def _metered(state, rid: str, raw: AsyncIterator[RequestOutput], started: 
                     m.itl.observe(now - last)
                 last = now
                 m.generation_tokens.inc(len(out.new_token_ids))
+            if out.finished and last is None and out.finish_reason == FinishReason.LENGTH:  # an append
+                m.prefill_tokens.inc(out.num_prompt_tokens)
+                m.cached_tokens.inc(out.num_cached_tokens)
             if out.finished:
                 finished = True
                 m.finished.labels(out.finish_reason.value).inc()
