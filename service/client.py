@@ -98,7 +98,8 @@ def _session_body(input: str | list[int] | None, messages: list[dict] | None, pa
 
 
 def _session_text(session: "Session | AsyncSession", ev: dict) -> str | None:
-    """A session event's text; the final event is kept as `session.last`."""
+    """A token event's text ("" while held back: models without a tokenizer, a partial UTF-8
+    character or stop string), None for other events; the final event is kept as `session.last`."""
     if ev.get("type") == "token":
         return ev["text"]
     if ev.get("type") == "done":
@@ -131,7 +132,7 @@ class Session:
         """Append input (text, token ids, or chat messages) and stream the reply's text deltas."""
         for ev in self.client._stream(_sessions(self.id, True), _session_body(input, messages, params)):
             text = _session_text(self, ev)
-            if text:
+            if text is not None:  # every token, even one whose text is held back ("")
                 yield text
 
     def append(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None) -> dict:
@@ -211,7 +212,7 @@ class AsyncSession:
                        **params: Any) -> AsyncIterator[str]:
         async for ev in self.client._stream(_sessions(self.id, True), _session_body(input, messages, params)):
             text = _session_text(self, ev)
-            if text:
+            if text is not None:  # every token, even one whose text is held back ("")
                 yield text
 
     async def append(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None) -> dict:
