@@ -22,7 +22,9 @@ Map of the package (one owner per resource, data flows top to bottom):
     passkey.py       passkey-retrieval prompts for recall tests and benchmarks
     scheduler.py     admission, token budget, prefill chunks + decodes (no torch)
     engine.py        Engine.step(): schedule -> run -> apply; sessions; abort and rollback
-    worker.py        the asyncio bridge: one thread runs step(), one channel per request
+    ipc.py           the wire to the engine process: typed messages (msgspec) over ZeroMQ
+    process.py       the engine process: EngineCore loops commands in -> step -> one message out
+    client.py        EngineClient: the front end's only way to the engine (async, typed)
 """
 
 from engine.config import EngineConfig

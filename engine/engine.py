@@ -1,13 +1,15 @@
 """Engine: the synchronous core. `step()` = schedule -> run -> apply.
 
 The engine owns the model runner, the row pool, the scheduler and the sessions. It is not
-thread-safe: exactly one thread calls it (worker.py). Every request's lifetime ends in `_finish`,
+thread-safe: exactly one thread calls it (the engine process's loop, process.py). Every request's lifetime ends in `_finish`,
 whatever the reason (stop, length, abort, error): a stateless request's row is freed there, and a
 session's turn is either committed (history grows) or rolled back to the last completed turn.
 
 A session's history is every token fed to or produced by the model. The row holds K/V for all but
 possibly the last one (a sampled token is fed only by the next forward), so a new turn feeds
 `history[kv_len:] + new input` as one logical forward: history is never prefilled twice.
+A turn with `max_tokens` 0 is an append: its forward computes every token it feeds, nothing is
+sampled, and the history it commits ends with a computed token.
 
 Steady decoding overlaps the host with the device (`EngineConfig.overlap_steps`): while every
 running request decodes, the next static decode step is launched, its tokens read on the device
@@ -248,6 +250,12 @@ class Engine:
     def session_tokens(self, session_id: str, owner: str | None = None) -> list[int]:
         return list(self._history(self._session(session_id, owner)))
 
+    def session_tail(self, session_id: str, num_tokens: int, owner: str | None = None) -> tuple[int, list[int]]:
+        """(history length, its last `num_tokens` tokens): what a front end needs to prepare the
+        next turn's input (whether BOS is due, which closing markup the history already holds)."""
+        history = self._history(self._session(session_id, owner))
+        return len(history), history[len(history) - min(num_tokens, len(history)):]
+
     def _history(self, s: _Session) -> list[int]:
         if s.tokens is None:  # first use since the server started: read the transcript
             try:
@@ -319,6 +327,9 @@ class Engine:
         ids = request.prompt_token_ids
         if not ids:
             raise EngineError("prompt is empty", param="prompt")
+        if request.append_only and request.session_id is None:
+            raise EngineError("max_tokens 0 appends to a session: a request without one must generate",
+                              param="max_tokens")
         vocab = self.geometry.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
@@ -328,6 +339,9 @@ class Engine:
         if session is not None and session.busy is not None:
             raise EngineError("session has a turn in flight", code="session_busy", param="session_id")
         history = self._history(session) if session is not None else []
+        if request.expect_history_len is not None and request.expect_history_len != len(history):
+            raise EngineError("another turn of this session committed while this one was prepared; retry",
+                              code="session_busy", param="session_id")
         diverged = False
         if request.match_prefix and history:  # the prompt is the whole conversation
             if len(history) < len(ids) and ids[: len(history)] == history:
@@ -498,6 +512,7 @@ class Engine:
             return []
         inputs: list[RunnerInput] = []
         lives: list[_Live] = []
+        appended: list[_Live] = []  # appends whose input is all fed by this step: they end with it
         for c in plan.chunks:
             live = self._live[c.request_id]
             start = self.pool.kv_len(live.row)
@@ -511,8 +526,11 @@ class Engine:
                 if c.forward_done and not c.prefill_done:  # a replayed forward ends: the next begins
                     live.forward_start = start + c.num_tokens
             chunk = ForwardChunk(live.row, c.num_tokens, start, fstart, c.forward_done)
-            inputs.append(RunnerInput(chunk, tokens, wants_logits=c.prefill_done))
+            append_done = c.prefill_done and live.request.append_only
+            inputs.append(RunnerInput(chunk, tokens, wants_logits=c.prefill_done and not append_done))
             lives.append(live)
+            if append_done:
+                appended.append(live)
         self.stats["steps"] += 1
         try:
             logits, owners, greedy = self.runner.run(inputs)
@@ -562,6 +580,7 @@ class Engine:
                 outputs.append(self._finish(live, FinishReason.ERROR, error=failed[j]))
                 continue
             outputs.append(self._apply_safely(live, picked[j], self.pool.kv_len(live.row)))
+        outputs += [self._finish(live, FinishReason.LENGTH) for live in appended]
         return outputs
 
     def _apply_safely(self, live: _Live, picked: tuple[int, bool], kv_len: int) -> RequestOutput:
@@ -689,9 +708,11 @@ class Engine:
             session.tokens = session.tokens[: live.history_len] + new
             session.num_tokens = len(session.tokens)
             last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
+            # the last sampled token is not fed (the next turn feeds it); an append sampled none
+            num_decodes = max(len(live.output_ids) - 1, 0)
             self._store(session, self.db.append_turn if self.db else None, session.session_id,
-                        len(session.forwards), new, last_prefill, len(live.output_ids) - 1, session.num_tokens)
-            session.forwards.append((last_prefill, len(live.output_ids) - 1))
+                        len(session.forwards), new, last_prefill, num_decodes, session.num_tokens)
+            session.forwards.append((last_prefill, num_decodes))
             session.num_turns += 1
             self.pool.trim(live.row)
         elif live.row is not None:  # abort or error: back to the last completed turn

@@ -22,7 +22,7 @@ from engine.types import FinishReason, Request
 
 # Engine verbs a `Call` may name (methods of engine.Engine, plus "stats" and "check_invariants").
 CALLS = ("create_session", "close_session", "reset_session", "release_row", "session_info", "session_tokens",
-         "expire_idle", "stats", "check_invariants")
+         "session_tail", "expire_idle", "stats", "check_invariants")
 
 
 # ---- front end -> engine --------------------------------------------------------------------------

@@ -23,13 +23,15 @@ class EngineError(ValueError):
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS token or stop string
-    LENGTH = "length"  # max_tokens or the model's context reached
+    LENGTH = "length"  # max_tokens or the model's context reached (an append ends so, with 0 tokens)
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # this request failed; others carry on
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # tokens to generate; 0 (a session turn only): append the input to the session, generating
+    # nothing (the row is prefilled and committed)
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -40,8 +42,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise EngineError("max_tokens must be an integer >= 1", param="max_tokens")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise EngineError("max_tokens must be an integer >= 0", param="max_tokens")
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
             raise EngineError("temperature must be a finite number >= 0", param="temperature")
@@ -68,6 +70,15 @@ class Request:
     # prompt_token_ids is the whole conversation: the session's stored history must be a prefix
     # of it (only the rest is fed); otherwise the session starts over with the whole prompt
     match_prefix: bool = False
+    # the session's history length the input was prepared against (e.g. rendered as the increment
+    # of a chat); if the history has another length when the request is added, it is refused
+    # (`session_busy`): another turn committed in between. None: no check.
+    expect_history_len: int | None = None
+
+    @property
+    def append_only(self) -> bool:
+        """A session turn that appends its input and generates nothing."""
+        return self.params.max_tokens == 0
 
 
 class RequestOutput(NamedTuple):

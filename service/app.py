@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from engine.client import EngineClient, EngineDead
 from engine.model_loader import load_tokenizer
-from service import errors
+from service import chat, errors
 from service.metrics import Metrics
 from service.routes import ops, openai, sessions
 from service.settings import Settings
@@ -33,6 +33,7 @@ class AppState:
         self.engine: EngineClient | None = None
         self.model_name = settings.served_model_name or ""
         self.tokenizer = None
+        self.end_of_turn_ids: tuple[int, ...] = ()  # where chat replies stop (chat.end_of_turn_ids)
         self.max_model_len = 0
         self.metrics = Metrics()
         self.active: dict[str, str | None] = {}  # request id -> tenant, while it runs
@@ -86,6 +87,7 @@ async def _start(state: AppState) -> None:
         tokenizer, info = await asyncio.gather(asyncio.to_thread(load_tokenizer, state.settings.engine),
                                                client.start())
         state.tokenizer = tokenizer
+        state.end_of_turn_ids = chat.end_of_turn_ids(tokenizer)
         state.max_model_len = info.max_model_len
         state.model_name = state.model_name or info.model_name
         client.on_step = state.metrics.on_step

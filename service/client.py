@@ -1,10 +1,16 @@
-"""Python SDK for s5serve: `Client` (sync) and `AsyncClient`, sharing one SSE parser.
+"""Python SDK for s5serve: `Client` (sync) and `AsyncClient`, one API with two faces. What each
+call sends and how its answer reads (bodies, SSE parsing, events to text, errors) is written
+once; each face only does the I/O.
 
     from service.client import Client
     with Client("http://127.0.0.1:8000") as c, c.create_session() as s:
         for text in s.generate("My name is Ada.", max_tokens=32):
             print(text, end="", flush=True)
         print(s.info()["history_tokens"])
+
+    async with AsyncClient("http://127.0.0.1:8000") as c, c.create_session() as s:
+        async for text in s.generate("My name is Ada.", max_tokens=32):
+            print(text, end="", flush=True)
 
 Leaving a `generate` iterator early closes the stream, which cancels the turn on the server
 (the session rolls back to its last completed turn). Errors raise `S5Error` subclasses.
@@ -80,8 +86,10 @@ def parse_sse(lines: Iterable[str]) -> Iterator[Any]:
             return
 
 
-def _gen_body(input: str | list[int] | None, messages: list[dict] | None, params: dict) -> dict:
-    body = {"stream": True, **params}
+# ---- what each call sends and how its answer reads: one implementation for both faces --------
+def _session_body(input: str | list[int] | None, messages: list[dict] | None, params: dict,
+                  stream: bool = True) -> dict:
+    body = {"stream": stream, **params}
     if messages is not None:
         body["messages"] = messages
     else:
@@ -89,24 +97,56 @@ def _gen_body(input: str | list[int] | None, messages: list[dict] | None, params
     return body
 
 
+def _session_text(session: "Session | AsyncSession", ev: dict) -> str | None:
+    """A token event's text ("" while held back: models without a tokenizer, a partial UTF-8
+    character or stop string), None for other events; the final event is kept as `session.last`."""
+    if ev.get("type") == "token":
+        return ev["text"]
+    if ev.get("type") == "done":
+        session.last = ev
+    return None
+
+
+def _chat_text(chunk: dict) -> str | None:
+    return next((c["delta"]["content"] for c in chunk.get("choices", []) if c["delta"].get("content")), None)
+
+
+def _completion_text(chunk: dict) -> str | None:
+    return next((c["text"] for c in chunk.get("choices", []) if c.get("text")), None)
+
+
+def _sessions(session_id: str | None = None, generate: bool = False) -> str:
+    return "/v1/sessions" + (f"/{session_id}" if session_id else "") + ("/generate" if generate else "")
+
+
 class Session:
+    """A server session (sync). `last`: the final event of the latest turn (token counts, and
+    after an append what the session holds)."""
+
     def __init__(self, client: "Client", session_id: str):
         self.client, self.id = client, session_id
+        self.last: dict | None = None
 
     def generate(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None,
                  **params: Any) -> Iterator[str]:
         """Append input (text, token ids, or chat messages) and stream the reply's text deltas."""
-        for ev in self.client._stream(f"/v1/sessions/{self.id}/generate", _gen_body(input, messages, params)):
-            if ev.get("type") == "token":
-                yield ev["text"]
-            elif ev.get("type") == "done":
-                self.last = ev
+        for ev in self.client._stream(_sessions(self.id, True), _session_body(input, messages, params)):
+            text = _session_text(self, ev)
+            if text is not None:  # every token, even one whose text is held back ("")
+                yield text
+
+    def append(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None) -> dict:
+        """Append input without generating (`max_tokens: 0`); returns what the session now holds
+        (`appended_tokens`, `history_tokens`, `kv_tokens`, `resident_kv_bytes`)."""
+        self.last = self.client._json("POST", _sessions(self.id, True),
+                                      _session_body(input, messages, {"max_tokens": 0}, stream=False))
+        return self.last
 
     def info(self) -> dict:
-        return self.client._json("GET", f"/v1/sessions/{self.id}")
+        return self.client._json("GET", _sessions(self.id))
 
     def close(self) -> None:
-        self.client._json("DELETE", f"/v1/sessions/{self.id}")
+        self.client._json("DELETE", _sessions(self.id))
 
     def __enter__(self):
         return self
@@ -134,14 +174,22 @@ class Client:
             yield from parse_sse(r.iter_lines())
 
     def create_session(self) -> Session:
-        return Session(self, self._json("POST", "/v1/sessions")["id"])
+        """A new session; `with client.create_session() as s:` deletes it on exit."""
+        return Session(self, self._json("POST", _sessions())["id"])
 
     def chat(self, messages: list[dict], **params: Any) -> Iterator[str]:
         """Stateless streaming chat completion: text deltas."""
         for ch in self._stream("/v1/chat/completions", {"messages": messages, "stream": True, **params}):
-            for choice in ch.get("choices", []):
-                if choice["delta"].get("content"):
-                    yield choice["delta"]["content"]
+            text = _chat_text(ch)
+            if text:
+                yield text
+
+    def complete(self, prompt: str | list[int], **params: Any) -> Iterator[str]:
+        """Stateless streaming text completion: text deltas."""
+        for ch in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **params}):
+            text = _completion_text(ch)
+            if text:
+                yield text
 
     def close(self) -> None:
         self.http.close()
@@ -154,28 +202,57 @@ class Client:
 
 
 class AsyncSession:
+    """A server session (async); the same API as `Session`, with `async for` and `await`."""
+
     def __init__(self, client: "AsyncClient", session_id: str):
         self.client, self.id = client, session_id
+        self.last: dict | None = None
 
     async def generate(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None,
                        **params: Any) -> AsyncIterator[str]:
-        async for ev in self.client._stream(f"/v1/sessions/{self.id}/generate", _gen_body(input, messages, params)):
-            if ev.get("type") == "token":
-                yield ev["text"]
-            elif ev.get("type") == "done":
-                self.last = ev
+        async for ev in self.client._stream(_sessions(self.id, True), _session_body(input, messages, params)):
+            text = _session_text(self, ev)
+            if text is not None:  # every token, even one whose text is held back ("")
+                yield text
+
+    async def append(self, input: str | list[int] | None = None, *, messages: list[dict] | None = None) -> dict:
+        self.last = await self.client._json("POST", _sessions(self.id, True),
+                                            _session_body(input, messages, {"max_tokens": 0}, stream=False))
+        return self.last
 
     async def info(self) -> dict:
-        return await self.client._json("GET", f"/v1/sessions/{self.id}")
+        return await self.client._json("GET", _sessions(self.id))
 
     async def close(self) -> None:
-        await self.client._json("DELETE", f"/v1/sessions/{self.id}")
+        await self.client._json("DELETE", _sessions(self.id))
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+class _NewAsyncSession:
+    """What `AsyncClient.create_session()` returns: await it for the session, or use it as
+    `async with client.create_session() as s:` (the session is deleted on exit)."""
+
+    def __init__(self, client: "AsyncClient"):
+        self._client = client
+        self._session: AsyncSession | None = None
+
+    async def _create(self) -> AsyncSession:
+        return AsyncSession(self._client, (await self._client._json("POST", _sessions()))["id"])
+
+    def __await__(self):
+        return self._create().__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._create()
+        return self._session
+
+    async def __aexit__(self, *exc):
+        await self._session.close()
 
 
 class AsyncClient:
@@ -201,11 +278,28 @@ class AsyncClient:
                 if parser.done:
                     return
 
-    async def create_session(self) -> AsyncSession:
-        return AsyncSession(self, (await self._json("POST", "/v1/sessions"))["id"])
+    def create_session(self) -> _NewAsyncSession:
+        """`s = await client.create_session()`, or `async with client.create_session() as s:`."""
+        return _NewAsyncSession(self)
+
+    async def chat(self, messages: list[dict], **params: Any) -> AsyncIterator[str]:
+        """Stateless streaming chat completion: text deltas."""
+        async for ch in self._stream("/v1/chat/completions", {"messages": messages, "stream": True, **params}):
+            text = _chat_text(ch)
+            if text:
+                yield text
+
+    async def complete(self, prompt: str | list[int], **params: Any) -> AsyncIterator[str]:
+        """Stateless streaming text completion: text deltas."""
+        async for ch in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **params}):
+            text = _completion_text(ch)
+            if text:
+                yield text
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+    close = aclose  # the same name as the sync client's
 
     async def __aenter__(self):
         return self

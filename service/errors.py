@@ -20,8 +20,8 @@ STATUS = {
     "session_store_unavailable": 503,
 }
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 503: "service_unavailable"}
+         405: "invalid_request_error", 409: "conflict_error", 410: "not_found_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -30,12 +30,48 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
 
 
+def valid_text(text: str, param: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param}: invalid unicode (lone surrogate)", "invalid_request", param) from exc
+    return text
+
+
 def from_engine(err: EngineError) -> APIError:
     return APIError(STATUS.get(err.code, 400), err.message, err.code, err.param)
 
 
 def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
+    kind = TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _union_member(tag: str) -> bool:
+    """pydantic names a union member by its type: `str`, `list[int]`, `ContentPart`, `function-...`."""
+    return "[" in tag or "-" in tag or tag in {"str", "int", "float", "bool", "none", "dict", "list"} or tag[:1].isupper()
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for a body FastAPI could not parse or validate: the first error, named by
+    the field it is about; the body itself when it is not JSON or not an object."""
+    first = errors[0] if errors else {}
+    kind = first.get("type")
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    if kind == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error") or "cannot be decoded"
+        at = first.get("loc", [None])[-1]
+        where = f" at character {at}" if isinstance(at, int) else ""
+        return f"the request body is not valid JSON: {reason}{where}", None
+    if not loc:
+        empty = " (it is empty)" if kind == "missing" else ""
+        return f"the request body must be a JSON object{empty}", None
+    # a value that fits no member of a union: one error per member, their locations ending in
+    # the member's type; name the field, not the member
+    if len(loc) > 1 and _union_member(loc[-1]):
+        loc = loc[:-1]
+        return f"{'.'.join(loc)}: invalid type or value ({first.get('msg', 'invalid')})", ".".join(loc)
+    return f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}", ".".join(loc)
 
 
 def install(app) -> None:
@@ -50,15 +86,21 @@ def install(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(envelope(400, msg, "invalid_request", ".".join(loc) or None), 400)
+        msg, param = validation_message(list(exc.errors()))
+        return JSONResponse(envelope(400, msg, "invalid_request", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(envelope(exc.status_code, str(exc.detail), code), exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        status, route = exc.status_code, f"{request.method} {request.url.path}"
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        msg = str(exc.detail)
+        if status == 404 and msg == "Not Found":  # no such route (routes' own 404s are APIErrors)
+            msg = f"no route {route}"
+        elif status == 405:
+            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            msg = f"method {request.method} is not allowed on {request.url.path}" + (
+                f" (allowed: {allowed})" if allowed else "")
+        return JSONResponse(envelope(status, msg, code), status, headers=exc.headers)
 
 
 class BodyLimit:

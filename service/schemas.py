@@ -70,9 +70,13 @@ class CompletionRequest(_Body):
 
 
 class SessionGenerateRequest(_Body):
-    input: str | list[StrictInt] | None = None  # text or token ids appended as-is
-    messages: list[Message] | None = None  # chat turns appended in the chat format
+    # text (with BOS on the session's first turn) or token ids (appended as they are)
+    input: str | list[StrictInt] | None = None
+    messages: list[Message] | None = Field(None, min_length=1)  # rendered with the chat template
     stream: bool = True
+    # 0: append the input to the session without generating (the reply reports what it holds)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
 
 
 # ---- documented responses (the OpenAPI schema says what every route can answer) ----------------

@@ -21,19 +21,12 @@ from engine import FinishReason, Request, SamplingParams
 from engine.client import Delta, EngineDead, RequestStream
 from engine.detokenizer import IncrementalDetokenizer
 from engine.types import EngineError
-from service.errors import APIError, from_engine
+from service import chat
+from service.errors import APIError, from_engine, valid_text
 
 # Texts longer than this are tokenized (and chat templates rendered) on a worker thread, so a huge
 # prompt does not hold up the event loop; shorter ones cost less than the hop.
 OFF_LOOP_CHARS = 2048
-
-
-def valid_text(text: str, param: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(400, f"{param}: invalid unicode (lone surrogate)", "invalid_request", param) from exc
-    return text
 
 
 class TokenizerPool:
@@ -68,17 +61,19 @@ async def tokenize(state, text: str, **kwargs) -> list[int]:
     return tok(text, **kwargs)["input_ids"]
 
 
-async def render_chat(state, messages: list[dict], size_hint: int, **kwargs) -> list[int]:
-    """The chat template's token ids for `messages`, off the event loop for long conversations."""
-    tok = state.tokenizer
-    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
-    if size_hint > OFF_LOOP_CHARS:
-        return list(await state.tokenizer_pool.run(tok.apply_chat_template, messages, **kw))
-    return list(tok.apply_chat_template(messages, **kw))
+async def render_chat(state, messages: list[dict[str, str]], history_len: int, tail: list[int],
+                      generation_prompt: bool) -> list[int]:
+    """`chat.message_ids` (the template's tokens for what `messages` add to a conversation), off
+    the event loop for long conversations."""
+    args = (state.tokenizer, messages, history_len, tail, generation_prompt)
+    if sum(len(m["content"]) for m in messages) > OFF_LOOP_CHARS:
+        return await state.tokenizer_pool.run(chat.message_ids, *args)
+    return chat.message_ids(*args)
 
 
 def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    max_tokens = body.max_completion_tokens or body.max_tokens or 256
+    given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
+    max_tokens = given[0] if given else 256  # 0 (session route only): an append
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens,
@@ -168,6 +163,9 @@ class Turn:
             text, self._stopped = self.detok.add_many(d.token_ids)
             if d.finished and d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not self._stopped:
                 text += self.detok.flush()  # held text that never became a stop string
+        if d.finished and self._last_arrival is None and d.finish_reason == FinishReason.LENGTH:  # an append
+            m.prefill_tokens.inc(d.num_prompt_tokens)
+            m.cached_tokens.inc(d.num_cached_tokens)
         if d.finished:
             self.finished = True
             m.finished.labels(d.finish_reason.value).inc()
@@ -186,9 +184,10 @@ class Turn:
 
 
 async def start_turn(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
-                     owner: str | None, match_prefix: bool) -> Turn:
+                     owner: str | None, match_prefix: bool, expect_history_len: int | None = None) -> Turn:
     """Submit a turn. With `match_prefix`, `prompt_ids` is the whole conversation: the stored
-    history must be its prefix (only the rest is prefilled), else the session is re-prefilled."""
+    history must be its prefix (only the rest is prefilled), else the session is re-prefilled.
+    `expect_history_len`: the history length `prompt_ids` was prepared against (see Request)."""
     require_ready(state)
     m = state.metrics
     engine = state.engine
@@ -196,7 +195,8 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
         m.rejections.labels("queue_full").inc()
         raise APIError(429, "too many requests in flight; retry later", "queue_full", headers={"Retry-After": "1"})
     rid = f"req-{uuid.uuid4().hex}"
-    request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None)
+    request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
+                      expect_history_len)
     try:
         stream = await engine_call(engine.generate(request))
     except APIError as err:

@@ -12,11 +12,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine import FinishReason
+from service import chat
 from service.auth import tenant
-from service.errors import APIError
+from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import (check_model, collect, render_chat, require_ready, sampling_params, start_turn,
-                           tokenize, valid_text)
+from service.turns import check_model, collect, render_chat, require_ready, sampling_params, start_turn, tokenize
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -42,29 +42,15 @@ def _session_id(request: Request, body) -> str | None:
     return body.session_id or request.headers.get("x-session-id") or None
 
 
-def end_of_turn_ids(tok) -> tuple[int, ...]:
-    if tok is None:
-        return ()
-    eot = tok.convert_tokens_to_ids("<end_of_turn>")
-    return (eot,) if isinstance(eot, int) and eot != tok.unk_token_id else ()
-
-
 @router.post("/chat/completions", responses=STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = _serving(request, body)
     tok = st.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
-    try:
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": valid_text(m.text(), "messages")}
-                for m in body.messages]
-    except ValueError as exc:
-        raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
-    try:
-        ids = await render_chat(st, msgs, sum(len(m["content"]) for m in msgs))
-    except Exception as exc:  # template errors are the caller's (e.g. roles out of order)
-        raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
-    params = sampling_params(body, end_of_turn_ids(tok))
+    msgs = chat.chat_messages(body.messages)
+    ids = await render_chat(st, msgs, 0, [], generation_prompt=True)
+    params = sampling_params(body, st.end_of_turn_ids)
     turn = await start_turn(st, ids, params, _session_id(request, body), owner, match_prefix=True)
     return await _respond(body, turn, request, chat=True, model=st.model_name)
 

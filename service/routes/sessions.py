@@ -11,11 +11,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine import FinishReason
+from service import chat
 from service.auth import tenant
-from service.errors import APIError
-from service.routes.openai import end_of_turn_ids
+from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import collect, engine_call, require_ready, sampling_params, start_turn, tokenize, valid_text
+from service.turns import collect, engine_call, render_chat, require_ready, sampling_params, start_turn, tokenize
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
@@ -45,37 +45,43 @@ async def delete_session(session_id: str, request: Request, owner: str | None = 
     return {"id": session_id, "object": "session.deleted", "deleted": deleted}
 
 
+async def _turn_input(st, session_id: str, owner: str | None, body: SessionGenerateRequest,
+                      append: bool) -> tuple[int | None, list[int]]:
+    """(the history length the input was prepared against, or None; the turn's new tokens)."""
+    if isinstance(body.input, list):
+        return None, list(body.input)
+    tok = st.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "input")
+    history_len, tail = await engine_call(st.engine.call("session_tail", session_id, chat.TAIL_TOKENS, owner))
+    if body.input is not None:  # BOS (the tokenizer's special tokens) only on the first turn
+        return history_len, await tokenize(st, valid_text(body.input, "input"),
+                                           add_special_tokens=history_len == 0)
+    msgs = chat.chat_messages(body.messages)
+    return history_len, await render_chat(st, msgs, history_len, tail, generation_prompt=not append)
+
+
 @router.post("/{session_id}/generate", responses=STREAM_RESPONSES)
 async def generate(session_id: str, body: SessionGenerateRequest, request: Request,
                    owner: str | None = Depends(tenant)):
+    """Append input (text, token ids, or chat messages) to the session and stream the reply.
+    `max_tokens: 0` appends only: the input is prefilled into the session's row and committed,
+    and the answer reports the tokens appended and what the session holds."""
     st = request.app.state.s5
     require_ready(st)
-    tok = st.tokenizer
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input or messages", "invalid_request", "input")
-    if isinstance(body.input, list):
-        ids = list(body.input)
-    elif tok is None:
-        raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "input")
-    elif body.input is not None:
-        ids = await tokenize(st, valid_text(body.input, "input"), add_special_tokens=False)
-    else:
-        try:
-            turns = [(("model" if m.role == "assistant" else "user"), valid_text(m.text(), "messages"))
-                     for m in body.messages]
-        except ValueError as exc:
-            raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
-        text = "".join(f"<start_of_turn>{role}\n{t}<end_of_turn>\n" for role, t in turns)
-        ids = await tokenize(st, text + "<start_of_turn>model\n", add_special_tokens=False)
+    params = sampling_params(body, st.end_of_turn_ids)
+    append = params.max_tokens == 0
+    history_len, ids = await _turn_input(st, session_id, owner, body, append)
     if not ids:
         raise APIError(400, "input is empty", "invalid_request", "input")
-    params = sampling_params(body, end_of_turn_ids(tok))
-    turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False)
+    turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False, expect_history_len=history_len)
     headers = {"X-Request-Id": turn.request_id}
 
-    def final(out, prefill_s) -> dict:
+    async def final(out, prefill_s) -> dict:
         reason = {FinishReason.LENGTH: "length", FinishReason.ERROR: "error", FinishReason.ABORT: "abort"}
-        return {
+        done = {
             "type": "done",
             "finish_reason": reason.get(out.finish_reason, "stop"),
             "prompt_tokens": out.num_prompt_tokens,
@@ -85,12 +91,16 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             "total_seconds": time.monotonic() - turn.started,
             **({"error": out.error} if out.error else {}),
         }
+        if append and out.finish_reason == FinishReason.LENGTH:
+            done["appended_tokens"] = len(ids)
+            done.update(await _held(st, session_id, owner))
+        return done
 
     if not body.stream:
         text, ids_out, last = await collect(turn, request)
         if last is None:
             return JSONResponse({"text": text, "token_ids": ids_out, "type": "done", "finish_reason": "abort"})
-        return JSONResponse({"text": text, "token_ids": ids_out, **final(last, None)}, headers=headers)
+        return JSONResponse({"text": text, "token_ids": ids_out, **await final(last, None)}, headers=headers)
 
     async def events():
         prefill_s = None
@@ -100,7 +110,16 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             if out.token_ids and out.finish_reason != FinishReason.ERROR:
                 yield msgspec.json.encode({"type": "token", "text": out.text, "token_ids": out.token_ids}).decode()
             if out.finished:
-                yield msgspec.json.encode(final(out, prefill_s)).decode()
+                yield msgspec.json.encode(await final(out, prefill_s)).decode()
         yield "[DONE]"
 
     return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))
+
+
+async def _held(st, session_id: str, owner: str | None) -> dict:
+    """What the session holds after an append (as GET /v1/sessions/{id} reports it)."""
+    try:
+        info = await engine_call(st.engine.session_info(session_id, owner))
+    except APIError:  # closed or evicted right after its turn
+        return {}
+    return {k: info[k] for k in ("history_tokens", "kv_tokens", "resident_kv_bytes")}

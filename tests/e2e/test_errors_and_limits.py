@@ -57,6 +57,8 @@ MATRIX = [
     ("get unknown session", "GET", "/v1/sessions/nope", None, 404, "session_not_found"),
     ("cancel unknown request", "POST", "/v1/requests/req-nope/cancel", None, 404, "request_not_found"),
     ("unknown route", "GET", "/v1/nothing", None, 404, "not_found"),
+    ("wrong method", "GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
+    ("session max_tokens negative", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "max_tokens": -1}, 400, "invalid_request"),
 ]
 
 

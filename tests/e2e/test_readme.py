@@ -1,27 +1,94 @@
-"""The README's curl and SDK examples run against a live server."""
+"""The README's curl and SDK examples run against a live server and give the answers they
+promise: the SDK example's text is what /v1/completions says for the same prompt at temperature
+0, and each chat turn of the session example is what /v1/chat/completions says for the whole
+conversation so far."""
 
+import ast
+import json
 import re
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+LOCAL = "http://127.0.0.1:8000"
 
 
 def blocks(lang):
     return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
 
 
-def test_readme_curl_examples(server):
-    script = blocks("bash")[1].replace("http://127.0.0.1:8000", server.url)
+def curl_calls(script: str) -> list[tuple[str, dict]]:
+    """(path, JSON body) of every curl in the script that sends one, in order."""
+    calls = []
+    for line in script.replace("\\\n", " ").splitlines():
+        url, body = re.search(rf"{LOCAL}(/v1/\S+)", line), re.search(r"-d '([^']*)'", line)
+        if url and body:
+            calls.append((url.group(1), json.loads(body.group(1))))
+    return calls
+
+
+def post(server, path, body) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def completion_text(server, body) -> str:
+    return post(server, "/v1/completions", {**body, "stream": False})["choices"][0]["text"]
+
+
+def chat_text(server, body) -> str:
+    return post(server, "/v1/chat/completions", {**body, "stream": False})["choices"][0]["message"]["content"]
+
+
+def test_readme_curl_examples_run(server):
+    script = blocks("bash")[1].replace(LOCAL, server.url)
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "data: [DONE]" in out.stdout and '"history_tokens"' in out.stdout
+    assert "data: [DONE]" in out.stdout and '"history_tokens"' in out.stdout and '"appended_tokens"' in out.stdout
+
+
+def test_readme_curl_examples_answer_alike(server):
+    calls = curl_calls(blocks("bash")[1])
+    completions = [b for p, b in calls if p == "/v1/completions"]
+    chats = [b for p, b in calls if p == "/v1/chat/completions"]
+    turns = [b for p, b in calls if p.endswith("/generate")]
+    assert completions and chats and len(turns) >= 3 and any(b["max_tokens"] == 0 for b in turns)
+    for body in completions:  # streamed or not, the same text
+        chunks = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=120).text
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in chunks.splitlines()
+                           if line.startswith("data: {"))
+        assert streamed == completion_text(server, body) and streamed.strip()
+    assert chat_text(server, chats[0]) == "The capital of France is Paris."
+
+    # the session example, turn by turn, against /v1/chat/completions of the conversation so far
+    sid = httpx.post(server.url + "/v1/sessions").json()["id"]
+    conversation, replies = [], []
+    for body in turns:
+        done = post(server, f"/v1/sessions/{sid}/generate", {**body, "stream": False})
+        conversation += body["messages"]
+        if body["max_tokens"] == 0:
+            assert done["text"] == "" and done["appended_tokens"] == done["history_tokens"] > 0
+            continue
+        assert done["text"] == chat_text(server, {**body, "messages": conversation})
+        replies.append(done["text"])
+        conversation.append({"role": "assistant", "content": done["text"]})
+    assert replies == ["The capital of France is Paris.", "The capital of Germany is Berlin."]
 
 
 def test_readme_sdk_example(server, capsys):
-    code = blocks("python")[0].replace("http://127.0.0.1:8000", server.url)
-    exec(compile(code, "README.md", "exec"), {})
-    assert capsys.readouterr().out.strip()
+    code = blocks("python")[0]
+    call = next(n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
+                and getattr(n.func, "attr", None) == "generate")
+    prompt = ast.literal_eval(call.args[0])
+    params = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert params.get("temperature") == 0
+    exec(compile(code.replace(LOCAL, server.url), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    want = completion_text(server, {"prompt": prompt, **params})
+    assert want.strip() and printed.startswith(want + "\n "), (printed, want)
+    assert int(printed[len(want):].split()[0]) > 0  # the KV bytes the session holds

@@ -1,0 +1,49 @@
+"""The SDK's two faces are one API: the same calls, the same answers, sessions as context managers
+on both (`async with client.create_session() as s` included)."""
+
+import asyncio
+
+import pytest
+
+from service.client import AsyncClient, Client, NotFound
+
+pytestmark = pytest.mark.slow
+GREEDY = dict(max_tokens=7, temperature=0)
+FEW_SHOT = [{"role": "user", "content": "What is the capital of Italy?"},
+            {"role": "assistant", "content": "The capital of Italy is Rome."}]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_sync_and_async_faces_answer_alike(server):
+    with Client(server.url) as client:
+        with client.create_session() as s:
+            held = s.append(messages=FEW_SHOT)
+            reply = "".join(s.generate(messages=QUESTION, **GREEDY))
+            sync_last, sync_id = s.last, s.id
+        with pytest.raises(NotFound):  # leaving the block deleted the session
+            s.info()
+        sync_chat = "".join(client.chat(FEW_SHOT + QUESTION, **GREEDY))
+        sync_complete = "".join(client.complete("The capital of France is", **GREEDY))
+
+    async def run():
+        async with AsyncClient(server.url) as client:
+            async with client.create_session() as s:
+                a_held = await s.append(messages=FEW_SHOT)
+                a_reply = "".join([t async for t in s.generate(messages=QUESTION, **GREEDY)])
+                assert (await s.info())["history_tokens"] == s.last["prompt_tokens"] + s.last["cached_tokens"] + 7
+            with pytest.raises(NotFound):
+                await s.info()
+            plain = await client.create_session()  # awaiting it gives the session, as before
+            assert (await plain.info())["history_tokens"] == 0
+            await plain.close()
+            a_chat = "".join([t async for t in client.chat(FEW_SHOT + QUESTION, **GREEDY)])
+            a_complete = "".join([t async for t in client.complete("The capital of France is", **GREEDY)])
+            return a_held, a_reply, s.last, a_chat, a_complete, s.id
+
+    a_held, a_reply, a_last, a_chat, a_complete, a_id = asyncio.run(run())
+    assert a_id != sync_id
+    assert held["appended_tokens"] == held["history_tokens"] > 0 and held["resident_kv_bytes"] > 0
+    assert {k: v for k, v in a_held.items() if "seconds" not in k} == {k: v for k, v in held.items() if "seconds" not in k}
+    assert reply == a_reply == sync_chat == a_chat == "The capital of France is Paris."
+    assert sync_complete == a_complete and sync_complete.startswith(" the capital of")
+    assert sync_last["completion_tokens"] == a_last["completion_tokens"] == 7
