@@ -316,8 +316,8 @@ class EngineClient:
         return await fut
 
     # typed faces of `call`
-    async def create_session(self, owner: str | None = None) -> str:
-        return await self.call("create_session", None, owner)
+    async def create_session(self, owner: str | None = None, max_per_owner: int | None = None) -> str:
+        return await self.call("create_session", None, owner, max_per_owner)
 
     async def close_session(self, session_id: str, owner: str | None = None) -> bool:
         return await self.call("close_session", session_id, owner)

@@ -33,7 +33,7 @@ import logging
 import sqlite3
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -141,6 +141,7 @@ class Engine:
         self._pending: _Pending | None = None  # a static decode step launched, not yet applied
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, self)
         self.sessions: dict[str, _Session] = {}
+        self._owned: Counter[str | None] = Counter()  # owner -> sessions held
         # sessions closed by the engine (LRU when rows ran out, or idle TTL): id -> reason.
         # Bounded; a later lookup of such an id raises `session_evicted`.
         self.evicted: OrderedDict[str, str] = OrderedDict()
@@ -181,14 +182,21 @@ class Engine:
             self.sessions[st.session_id] = _Session(
                 st.session_id, owner=st.owner, tokens=None, num_tokens=st.num_tokens, num_turns=st.num_turns,
                 last_used=now - max(0.0, now_wall - st.last_used))
+            self._owned[st.owner] += 1
         log.info("session store %s: %d sessions loaded%s", self.db.path, len(stored),
                  f", {others} stored under another model or KV policy left as they are" if others else "")
 
     # ---- sessions -----------------------------------------------------------------------------
-    def create_session(self, session_id: str | None = None, owner: str | None = None) -> str:
+    def create_session(self, session_id: str | None = None, owner: str | None = None,
+                       max_per_owner: int | None = None) -> str:
+        """A new session of `owner`; refused (`too_many_sessions`) when the owner already holds
+        `max_per_owner` sessions."""
         sid = session_id or uuid.uuid4().hex  # 128 random bits
         if sid in self.sessions or sid in self.evicted:
             raise EngineError(f"session {sid} exists", code="session_exists")
+        if max_per_owner is not None and self._owned[owner] >= max_per_owner:
+            raise EngineError(f"this key holds {self._owned[owner]} sessions, the most allowed; delete some "
+                              "(DELETE /v1/sessions/{id}) or let idle ones expire", code="too_many_sessions")
         if self.db is not None:
             try:
                 self.db.create(sid, owner)
@@ -196,6 +204,7 @@ class Engine:
                 self.stats["session_db_errors"] += 1
                 raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
         self.sessions[sid] = _Session(sid, owner=owner)
+        self._owned[owner] += 1
         return sid
 
     def close_session(self, session_id: str, owner: str | None = None) -> bool:
@@ -215,6 +224,7 @@ class Engine:
             self.pool.free_row(s.row)
         self._drop_swapped(s)
         del self.sessions[session_id]
+        self._owned[s.owner] -= 1
         self._store(s, self.db.delete if self.db else None, session_id)
 
     def reset_session(self, session_id: str, owner: str | None = None) -> None:

@@ -19,7 +19,7 @@ from service import chat, errors
 from service.metrics import Metrics
 from service.routes import ops, openai, sessions
 from service.settings import Settings
-from service.turns import TokenizerPool
+from service.turns import InFlight, TokenizerPool
 
 log = logging.getLogger("s5serve")
 
@@ -36,7 +36,7 @@ class AppState:
         self.end_of_turn_ids: tuple[int, ...] = ()  # where chat replies stop (chat.end_of_turn_ids)
         self.max_model_len = 0
         self.metrics = Metrics()
-        self.active: dict[str, str | None] = {}  # request id -> tenant, while it runs
+        self.active = InFlight()  # requests in flight and their tenants
         self.ready = False
         self.draining = False
         self.load_error: str | None = None

@@ -70,7 +70,7 @@ def _drain_server_class():
                     time.sleep(0.1)
                 if self.state.active and self.state.engine is not None:
                     # past the grace period: end the rest with a final event, then stop
-                    for rid in list(self.state.active):
+                    for rid in self.state.active.ids():
                         self.state.loop.call_soon_threadsafe(self.state.engine.abort, rid)
                     until = time.monotonic() + 5
                     while time.monotonic() < until and self.state.active:

@@ -16,6 +16,8 @@ STATUS = {
     "session_evicted": 410,
     "duplicate_request_id": 409,
     "queue_full": 429,
+    "too_many_sessions": 429,
+    "too_many_requests": 429,
     "engine_unavailable": 503,
     "session_store_unavailable": 503,
 }
@@ -39,7 +41,8 @@ def valid_text(text: str, param: str) -> str:
 
 
 def from_engine(err: EngineError) -> APIError:
-    return APIError(STATUS.get(err.code, 400), err.message, err.code, err.param)
+    status = STATUS.get(err.code, 400)
+    return APIError(status, err.message, err.code, err.param, {"Retry-After": "1"} if status == 429 else None)
 
 
 def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:

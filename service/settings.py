@@ -30,6 +30,9 @@ class Settings:
     host: str = "127.0.0.1"  # loopback only; 0.0.0.0 (all interfaces) is a deliberate choice
     port: int = 8000
     max_queued: int = 256  # requests waiting or running before 429
+    # per API key (with keys on): sessions held, and requests waiting or running, before 429
+    max_sessions_per_key: int = 4096
+    max_requests_per_key: int = 256
     served_model_name: str | None = None  # None: the model's own name
     api_keys: tuple[str, ...] = ()  # empty: no auth
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
@@ -179,6 +182,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            show=_none_or(str, "the model's own"), metavar="NAME"),
     Option("--queue-size", "max_queued", "requests waiting or running before new ones get 429",
            parse=int, metavar="N"),
+    Option("--max-sessions-per-key", "max_sessions_per_key",
+           "sessions one API key may hold; more get 429 too_many_sessions", parse=int, metavar="N"),
+    Option("--max-requests-per-key", "max_requests_per_key",
+           "requests of one API key waiting or running; more get 429 too_many_requests", parse=int, metavar="N"),
     Option("--max-body-bytes", "max_body_bytes", "larger request bodies get 413",
            parse=parse_bytes, show=show_bytes, metavar="BYTES"),
     Option("--keep-alive", "keep_alive_s",

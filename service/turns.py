@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +28,38 @@ from service.errors import APIError, from_engine, valid_text
 # Texts longer than this are tokenized (and chat templates rendered) on a worker thread, so a huge
 # prompt does not hold up the event loop; shorter ones cost less than the hop.
 OFF_LOOP_CHARS = 2048
+
+
+class InFlight:
+    """Requests in flight (submitted, not finished or abandoned): request id -> tenant, with a
+    count per tenant for the per-key limit."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str | None] = {}
+        self._count: Counter[str | None] = Counter()
+
+    def add(self, request_id: str, owner: str | None) -> None:
+        self._owner[request_id] = owner
+        self._count[owner] += 1
+
+    def discard(self, request_id: str) -> bool:
+        """Forget the request; False if it was not in flight."""
+        if request_id not in self._owner:
+            return False
+        self._count[self._owner.pop(request_id)] -= 1
+        return True
+
+    def owned_by(self, request_id: str, owner: str | None) -> bool:
+        return request_id in self._owner and self._owner[request_id] == owner
+
+    def count(self, owner: str | None) -> int:
+        return self._count[owner]
+
+    def ids(self) -> list[str]:
+        return list(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
 
 
 class TokenizerPool:
@@ -138,7 +171,7 @@ class Turn:
         self.finished = False
         self._stopped = False  # the text reached a stop string: nothing after it is shown
         self._last_arrival: float | None = None
-        state.active[self.request_id] = owner
+        state.active.add(self.request_id, owner)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         m = self.state.metrics
@@ -170,16 +203,14 @@ class Turn:
             self.finished = True
             m.finished.labels(d.finish_reason.value).inc()
             m.e2e.observe(time.monotonic() - self.started)
-            self.state.active.pop(self.request_id, None)
+            self.state.active.discard(self.request_id)
         return Chunk(text, d.token_ids, d.finished, d.finish_reason, d.num_prompt_tokens, d.num_cached_tokens,
                      d.num_output_tokens, d.error)
 
     def close(self) -> None:
         """The response ended: abort the request if it still runs. Idempotent."""
-        if self.request_id in self.state.active:
-            self.state.active.pop(self.request_id, None)
-            if not self.finished:
-                self.state.metrics.finished.labels("abort").inc()
+        if self.state.active.discard(self.request_id) and not self.finished:
+            self.state.metrics.finished.labels("abort").inc()
         self.stream.abort()
 
 
@@ -194,6 +225,10 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
     if engine.num_active >= state.settings.max_queued:
         m.rejections.labels("queue_full").inc()
         raise APIError(429, "too many requests in flight; retry later", "queue_full", headers={"Retry-After": "1"})
+    if owner is not None and state.active.count(owner) >= state.settings.max_requests_per_key:
+        m.rejections.labels("too_many_requests").inc()
+        raise APIError(429, f"this key has {state.active.count(owner)} requests in flight, the most allowed; "
+                       "retry later", "too_many_requests", headers={"Retry-After": "1"})
     rid = f"req-{uuid.uuid4().hex}"
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)

@@ -37,7 +37,7 @@ async def metrics(request: Request, owner: str | None = Depends(tenant)):
 @router.post("/v1/requests/{request_id}/cancel")
 async def cancel(request_id: str, request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
-    if request_id not in st.active or st.active[request_id] != owner:
+    if not st.active.owned_by(request_id, owner):
         raise APIError(404, f"request {request_id} not found", "request_not_found", "request_id")
     st.engine.abort(request_id)
     return {"id": request_id, "object": "request.cancelled", "cancelled": True}

@@ -24,7 +24,12 @@ router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 async def create_session(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    sid = await engine_call(st.engine.create_session(owner))
+    limit = st.settings.max_sessions_per_key if owner is not None else None
+    try:
+        sid = await engine_call(st.engine.create_session(owner, limit))
+    except APIError as err:
+        st.metrics.rejections.labels(err.code).inc()
+        raise
     return {"id": sid, "object": "session", "created": int(time.time()), "model": st.model_name}
 
 

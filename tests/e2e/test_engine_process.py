@@ -4,6 +4,7 @@ prompt) never holds up other streams."""
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -102,3 +103,41 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
     print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {worst * 1e3:.1f} ms")
     assert t1 - t0 > 0.1  # the prompt really cost the front end time
     assert worst <= 0.05
+
+
+def test_clients_that_stop_reading_then_close_free_their_rows_at_once():
+    """16 clients each start a long stream, read its first bytes, stop reading (the server's
+    sends back up), then close. Their requests end and their rows come free within a second,
+    with nothing else arriving at the server."""
+    srv = LiveServer(Settings(engine=EngineConfig(model="tiny-random", max_rows=16, kv_cache_bytes=1 << 24),
+                              port=free_port(), max_queued=64)).start()
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3500, "stream": True, "ignore_eos": True,
+                       "return_token_ids": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    socks = []
+    try:
+        for _ in range(16):
+            s = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(request)
+            assert s.recv(256).startswith(b"HTTP/1.1 200")
+            socks.append(s)
+        deadline = time.monotonic() + 10
+        while srv.stats().rows_used < 16:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(1.0)  # nobody reads: the streams back up
+        assert srv.stats().rows_used == 16
+        for s in socks:
+            s.close()
+        t0 = time.monotonic()
+        while (st := srv.stats()).rows_used or st.num_running:
+            assert time.monotonic() - t0 < 1.0, f"{st.rows_used} rows still held 1 s after the clients left"
+            time.sleep(0.02)
+        assert not srv.state.active
+        srv.check_invariants()
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()

@@ -260,3 +260,34 @@ def test_sdk_leaving_generate_early_cancels_and_rolls_back(tiny):
         busy.close()
     tiny.wait_idle()
     tiny.check_invariants()
+
+
+def test_per_key_limits_answer_429_and_leave_other_keys_alone():
+    settings = Settings(engine=EngineConfig(model="tiny-random", max_rows=4, kv_cache_bytes=1 << 22),
+                        port=free_port(), api_keys=("key-a", "key-b"), max_sessions_per_key=3,
+                        max_requests_per_key=1)
+    srv = LiveServer(settings).start()
+    srv.headers = A
+    try:
+        sids = [httpx.post(f"{srv.url}/v1/sessions", headers=A).json()["id"] for _ in range(3)]
+        r = httpx.post(f"{srv.url}/v1/sessions", headers=A)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_sessions"
+        assert r.headers["retry-after"] == "1"
+        assert httpx.post(f"{srv.url}/v1/sessions", headers=B).status_code == 200  # another key
+        httpx.delete(f"{srv.url}/v1/sessions/{sids[0]}", headers=A)
+        assert httpx.post(f"{srv.url}/v1/sessions", headers=A).status_code == 200  # room again
+        body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=A, timeout=60) as live:
+            next(live.iter_lines())  # streaming
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=A)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=B)
+            assert r.status_code == 200
+        assert srv.metric("s5_rejections_total", 'code="too_many_sessions"') == 1
+        assert srv.metric("s5_rejections_total", 'code="too_many_requests"') == 1
+        srv.wait_idle()
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=A)
+        assert r.status_code == 200  # the stream ended: the key may send again
+        srv.check_invariants()
+    finally:
+        srv.stop()

@@ -1,0 +1,105 @@
+"""EngineClient against a real engine process (tiny random model): streams, coalescing, aborts,
+refusals, tenancy, and the engine's death."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine import EngineConfig, EngineError, FinishReason, Request
+from engine.client import EngineClient, EngineDead
+from tests.helpers import greedy
+
+CONFIG = EngineConfig(model="tiny-random:2", max_rows=4, kv_cache_bytes=1 << 22)
+
+
+async def _tokens(stream, pause: float = 0.0) -> tuple[list[int], list[int], FinishReason]:
+    """All tokens, the size of every delta, and the finish reason."""
+    ids, sizes, reason = [], [], None
+    async for d in stream:
+        ids += d.token_ids
+        sizes.append(len(d.token_ids))
+        reason = d.finish_reason
+        if pause:
+            await asyncio.sleep(pause)
+    return ids, sizes, reason
+
+
+async def _idle(client: EngineClient):
+    for _ in range(200):
+        st = await client.fresh_stats()
+        if st.num_running == 0 and st.num_waiting == 0:
+            return st
+        await asyncio.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+async def test_streams_coalesce_for_slow_readers_and_abort_frees_rows():
+    client = EngineClient(CONFIG)
+    await client.start()
+    try:
+        prompt = [2, 17, 33, 5, 91]
+        fast = await client.generate(Request("fast", prompt, greedy(40)))
+        eager, eager_sizes, reason = await _tokens(fast)
+        assert reason == FinishReason.LENGTH and len(eager) == 40 and max(eager_sizes) <= 2
+        slow = await client.generate(Request("slow", prompt, greedy(40)))
+        late, late_sizes, _ = await _tokens(slow, pause=0.05)  # reads slower than the engine steps
+        assert late == eager  # the same tokens, in fewer deltas
+        assert len(late_sizes) < len(eager_sizes) and max(late_sizes) > 1
+
+        long = await client.generate(Request("long", prompt, greedy(3000)))
+        got = 0
+        async for d in long:
+            got += len(d.token_ids)
+            if got >= 3:
+                break
+        long.abort()
+        assert client.num_active == 0
+        st = await _idle(client)
+        assert st.rows_used == 0
+        await client.check_invariants()
+    finally:
+        await client.shutdown()
+
+
+async def test_a_refused_request_changes_nothing_and_sessions_answer_only_their_owner():
+    client = EngineClient(CONFIG)
+    await client.start()
+    try:
+        with pytest.raises(EngineError) as e:
+            await client.generate(Request("bad", [], greedy(3)))
+        assert e.value.param == "prompt" and client.num_active == 0
+        sid = await client.create_session("alice")
+        stream = await client.generate(Request("t1", [2, 5, 6], greedy(4), sid, "alice"))
+        ids, _, _ = await _tokens(stream)
+        assert (await client.session_info(sid, "alice"))["history_tokens"] == 3 + 4
+        for call in (client.session_info(sid, "bob"), client.session_tokens(sid, None),
+                     client.generate(Request("t2", [7], greedy(2), sid, "bob"))):
+            with pytest.raises(EngineError) as e:
+                await call
+            assert e.value.code == "session_not_found"
+        assert not await client.close_session(sid, "bob")
+        assert await client.session_tokens(sid, "alice") == [2, 5, 6, *ids]
+        assert await client.close_session(sid, "alice")
+        assert (await _idle(client)).rows_used == 0
+    finally:
+        await client.shutdown()
+
+
+async def test_a_killed_engine_ends_every_stream_and_call():
+    deaths = []
+    client = EngineClient(CONFIG, on_death=deaths.append)
+    await client.start()
+    stream = await client.generate(Request("r", [2, 3, 4], greedy(100_000)))
+    first = await stream.__anext__()
+    assert first.token_ids
+    os.kill(client.pid, signal.SIGKILL)
+    last = None
+    async for d in stream:
+        last = d
+    assert last.finished and last.finish_reason == FinishReason.ERROR and "exited" in last.error
+    assert deaths and not client.alive
+    with pytest.raises(EngineDead):
+        await client.create_session()
+    await client.shutdown()
