@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b]
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -42,6 +42,12 @@ case "${2:-}" in
       | tee "$OUT/cuda-tests-gemma4.log" | grep -v "^\.$"
     python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --out "$OUT" --tag moe 2>&1 | tee "$OUT/tune-moe.log"
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --layers fused stock --out "$OUT" ;;
+  serve|serve-4b)  # through the HTTP front end (bench/serve.py) against the engine alone, same run;
+    # TOKENIZER (a directory with the embedded model's tokenizer.json) makes the server detokenize
+    [ "$2" = serve ] && run_tests
+    shape=gemma3-1b; [ "$2" = serve-4b ] && shape=gemma3-4b
+    python3 -m bench.serve --shape $shape ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda --dtype bfloat16 \
+      --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 --out "$OUT" --tag served ;;
   full)
     run_tests
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --hf-static --out "$OUT"

@@ -295,7 +295,11 @@ class EngineClient:
         stream = RequestStream(self, request.request_id)
         self._streams[request.request_id] = stream
         try:
-            self._send(ipc.Submit(call_id, request))
+            try:
+                self._send(ipc.Submit(call_id, request))
+            except (OverflowError, msgspec.EncodeError) as exc:  # a value no 64-bit field holds
+                self._calls.pop(call_id, None)
+                raise EngineError(f"the request holds a value out of range: {exc}") from exc
             await fut
         except BaseException:
             self._streams.pop(request.request_id, None)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+# Integers the engine takes travel as 64-bit values: larger ones are invalid input (400), not a
+# failure to encode. Token ids keep the engine's own range check (below 0 or past the vocabulary).
+INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
+TokenId = Annotated[StrictInt, Field(**INT64)]
+COUNT_MAX = (1 << 31) - 1
 
 _NUM = dict(allow_inf_nan=False)
 
@@ -13,12 +20,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=COUNT_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=COUNT_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0, **_NUM)
     top_p: float | None = Field(None, gt=0.0, le=1.0, **_NUM)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=COUNT_MAX)
+    seed: int | None = Field(None, **INT64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -65,18 +72,18 @@ class ChatCompletionRequest(_Body):
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[StrictInt] | list[str]  # token ids must be integers (not booleans)
+    prompt: str | list[TokenId] | list[str]  # token ids must be integers (not booleans)
     echo: bool = False
 
 
 class SessionGenerateRequest(_Body):
     # text (with BOS on the session's first turn) or token ids (appended as they are)
-    input: str | list[StrictInt] | None = None
+    input: str | list[TokenId] | None = None
     messages: list[Message] | None = Field(None, min_length=1)  # rendered with the chat template
     stream: bool = True
     # 0: append the input to the session without generating (the reply reports what it holds)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=COUNT_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=COUNT_MAX)
 
 
 # ---- documented responses (the OpenAPI schema says what every route can answer) ----------------

@@ -79,9 +79,13 @@ async def session_run(client, server, plan):
 def test_500_streams_30_percent_cut(storm_server):
     srv = storm_server
     rng = random.Random(500)
-    plans = [[([rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 24),
-               rng.uniform(0.0, 0.4) if rng.random() < CUT_SHARE else None) for _ in range(TURNS)]
-             for _ in range(SESSIONS)]
+    def one_turn():
+        ids = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))]
+        if rng.random() < CUT_SHARE:  # long enough to still be running when the client cuts it
+            return ids, rng.randrange(400, 800), rng.uniform(0.0, 0.4)
+        return ids, rng.randrange(1, 24), None
+
+    plans = [[one_turn() for _ in range(TURNS)] for _ in range(SESSIONS)]
 
     async def storm(plans):
         limits = httpx.Limits(max_connections=SESSIONS + 10)
