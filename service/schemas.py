@@ -20,8 +20,8 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=COUNT_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=COUNT_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT64["le"])
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64["le"])
     temperature: float | None = Field(None, ge=0.0, le=2.0, **_NUM)
     top_p: float | None = Field(None, gt=0.0, le=1.0, **_NUM)
     top_k: int | None = Field(None, ge=-1, le=COUNT_MAX)
@@ -82,8 +82,8 @@ class SessionGenerateRequest(_Body):
     messages: list[Message] | None = Field(None, min_length=1)  # rendered with the chat template
     stream: bool = True
     # 0: append the input to the session without generating (the reply reports what it holds)
-    max_tokens: int | None = Field(None, ge=0, le=COUNT_MAX)
-    max_completion_tokens: int | None = Field(None, ge=0, le=COUNT_MAX)
+    max_tokens: int | None = Field(None, ge=0, le=INT64["le"])
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT64["le"])
 
 
 # ---- documented responses (the OpenAPI schema says what every route can answer) ----------------

@@ -278,7 +278,8 @@ def test_per_key_limits_answer_429_and_leave_other_keys_alone():
         assert httpx.post(f"{srv.url}/v1/sessions", headers=A).status_code == 200  # room again
         body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=A, timeout=60) as live:
-            next(live.iter_lines())  # streaming
+            lines = live.iter_lines()  # held: a dropped iterator closes the connection (an abort)
+            next(lines)  # streaming
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=A)
             assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, headers=B)
