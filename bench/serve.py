@@ -363,7 +363,7 @@ def main() -> None:
     if a.base_url:
         a.engine_baseline = False
 
-    from bench.throughput import cpu_name, git_commit, prompts_for
+    from bench.throughput import cpu_name, git_commit, prompts_for, source_digest
 
     work = Path(tempfile.mkdtemp(prefix="s5bench-"))
     spec = model_spec(a, work) if not a.base_url else None
@@ -386,6 +386,7 @@ def main() -> None:
     rows = []
     head = (f"{'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
             f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+            f"{'eng ITL p99':>11} "
             f"{'lag p99 ms':>10} {'errors':>6}")
     print(head, flush=True)
     ns = a.n if a.mode == "concurrency" else [a.sessions if a.mode == "sessions" else max(a.n)]
@@ -438,6 +439,7 @@ def main() -> None:
               f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
               f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
               f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
+              f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
               f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {summ['errors']:>6}", flush=True)
         if res is not None:
             for t in res["per_turn"]:
@@ -457,7 +459,8 @@ def main() -> None:
         "bench": "serve", "device": device, "model": name, "dtype": a.dtype, "quantization": a.quantization,
         "base_url": a.base_url, "policy": "s5" if not a.base_url else None,
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                     "transformers": transformers.__version__, "commit": git_commit()},
+                     "transformers": transformers.__version__, "commit": git_commit(),
+                     "source_digest": source_digest()},
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
                      "ignore_eos": True, "client_procs": a.client_procs},
         "rows": rows}, indent=1))

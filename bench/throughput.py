@@ -49,11 +49,13 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"r{i}", p, params))
-    first, last, events = {}, {}, []
+    first, last, events, gaps = {}, {}, [], []
     while engine.has_work():
         for o in engine.step():
             now = time.perf_counter()
             first.setdefault(o.request_id, now)
+            if o.request_id in last:
+                gaps.append(now - last[o.request_id])
             last[o.request_id] = now
             events.append(now)
     # BENCH.md: decode rate measured with all N rows decoding, i.e. between the last row's first
@@ -71,6 +73,9 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
         "all_rows_steps": in_window // len(prompts),
         "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
+        # each row's gaps between its tokens (prefill steps of other rows included)
+        "itl_p50_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
+        "itl_p99_s": sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
         "kv_bytes_per_session": per_session,
         "layers": "fused" if engine.runner.fused is not None else "stock",
         "pdl": engine.runner.pdl,

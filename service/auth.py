@@ -10,8 +10,9 @@ from fastapi import Request
 from service.errors import APIError
 
 
-def tenant(request: Request) -> str | None:
-    """FastAPI dependency: the caller's tenant id (None when auth is off); 401 on a bad key."""
+async def tenant(request: Request) -> str | None:
+    """FastAPI dependency: the caller's tenant id (None when auth is off); 401 on a bad key.
+    A coroutine, so FastAPI runs it on the event loop (a plain function costs a thread hop)."""
     keys = request.app.state.s5.settings.api_keys
     if not keys:
         return None

@@ -5,14 +5,11 @@ from __future__ import annotations
 import time
 import uuid
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from engine import FinishReason
-from service import chat
+from service import chat, sse
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
@@ -73,10 +70,6 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     return await _respond(body, turn, request, chat=False, model=st.model_name)
 
 
-def _json(obj) -> str:
-    return msgspec.json.encode(obj).decode()
-
-
 def _usage(turn, last) -> dict:
     n = last.num_output_tokens if last is not None else 0
     cached = last.num_cached_tokens if last is not None else 0  # positions reused from the row
@@ -110,7 +103,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None) -> str:
+    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None) -> bytes:
         if chat:
             if first:
                 delta = {"role": "assistant", "content": delta_text or ""}
@@ -121,7 +114,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
         if body.return_token_ids:
             choice["token_ids"] = token_ids or []
-        return _json({**head, "choices": [choice]})
+        return sse.event({**head, "choices": [choice]})
 
     async def events():
         first, last = True, None
@@ -129,7 +122,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
             last = out
             if out.finish_reason == FinishReason.ERROR:
                 err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
-                yield _json({"error": err})
+                yield sse.event({"error": err})
                 break
             if out.text or (out.token_ids and (first or body.return_token_ids)):
                 yield chunk(out.text, None, first, out.token_ids)
@@ -138,9 +131,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
                 yield chunk(None, _finish(out.finish_reason), first)
         else:
             if body.include_usage:
-                yield _json({**head, "choices": [], "usage": _usage(turn, last)})
-        yield "[DONE]"
+                yield sse.event({**head, "choices": [], "usage": _usage(turn, last)})
+        yield sse.DONE
 
-    # the response ends (finished, failed or the client gone): the turn is closed, so a request
-    # whose client went away is aborted at once, whether or not its stream was being read
-    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))
+    return sse.response(events(), turn, headers)

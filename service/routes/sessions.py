@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from engine import FinishReason
-from service import chat
+from service import chat, sse
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
@@ -113,12 +110,12 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             if prefill_s is None:
                 prefill_s = time.monotonic() - turn.started
             if out.token_ids and out.finish_reason != FinishReason.ERROR:
-                yield msgspec.json.encode({"type": "token", "text": out.text, "token_ids": out.token_ids}).decode()
+                yield sse.event({"type": "token", "text": out.text, "token_ids": out.token_ids})
             if out.finished:
-                yield msgspec.json.encode(await final(out, prefill_s)).decode()
-        yield "[DONE]"
+                yield sse.event(await final(out, prefill_s))
+        yield sse.DONE
 
-    return EventSourceResponse(events(), sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))
+    return sse.response(events(), turn, headers)
 
 
 async def _held(st, session_id: str, owner: str | None) -> dict:
