@@ -10,8 +10,8 @@ lost. Each committed turn appends one record: its new tokens (input + output) an
 Sessions are stored under a fingerprint of what makes their K/V meaningful (model, weights, KV
 policy); a server started with another fingerprint leaves them in the file and does not load them.
 
-One engine thread uses the connection (the engine is single-threaded). WAL mode with
-synchronous=NORMAL: a committed turn survives a crash of the process.
+The engine process's loop is the one user of the connection (the engine is single-threaded).
+WAL mode with synchronous=NORMAL: a committed turn survives a crash of the process.
 
 One process per file: a SessionDB holds an exclusive lock (`SessionFileLock`, flock on
 `<file>.lock`) for as long as it is open, so a second server on the same file fails at once
@@ -162,7 +162,7 @@ class SessionDB:
             forwards.append((prefill, decodes))
         return tokens, forwards
 
-    # ---- writes (the engine thread, as sessions change) ----------------------------------------
+    # ---- writes (the engine's loop, as sessions change) ----------------------------------------
     def create(self, session_id: str, owner: str | None) -> None:
         now = time.time()
         self._db.execute("INSERT INTO sessions (id, owner, fingerprint, created, last_used) VALUES (?, ?, ?, ?, ?)",
