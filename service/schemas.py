@@ -15,6 +15,32 @@ COUNT_MAX = (1 << 31) - 1
 
 _NUM = dict(allow_inf_nan=False)
 
+# Parameters of the OpenAI API (and vLLM's extras) that this server does not implement yet, each
+# with the values that ask for nothing (and so are accepted). A request that asks for one gets 400
+# `unsupported_parameter` instead of an answer that silently ignores it.
+UNSUPPORTED: dict[str, Any] = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in ("none", "auto"),
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "prompt_logprobs": lambda v: not v,
+    "presence_penalty": lambda v: not v,
+    "frequency_penalty": lambda v: not v,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: not v,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: not v,
+    "min_tokens": lambda v: not v,
+    "guided_json": lambda v: not v,
+    "guided_regex": lambda v: not v,
+    "guided_choice": lambda v: not v,
+    "guided_grammar": lambda v: not v,
+    "structured_outputs": lambda v: not v,
+}
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings")
@@ -42,6 +68,14 @@ class _Body(BaseModel):
         if len(items) > 8 or any(not s for s in items):
             raise ValueError("stop must be up to 8 non-empty strings")
         return items
+
+    def unsupported(self) -> str | None:
+        """The first parameter this request asks for that the server does not implement, if any."""
+        for name, value in (self.model_extra or {}).items():
+            accepts = UNSUPPORTED.get(name)
+            if accepts is not None and value is not None and not accepts(value):
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:

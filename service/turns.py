@@ -127,6 +127,13 @@ def require_ready(state) -> None:
         raise APIError(503, state.load_error or "model is loading", "not_ready", headers={"Retry-After": "5"})
 
 
+def check_supported(body) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by this server yet; leave it out (or at its default)",
+                       "unsupported_parameter", name)
+
+
 def check_model(state, model: str | None) -> None:
     if model not in (None, "", state.model_name):
         raise APIError(404, f"model {model!r} not found", "model_not_found", "model")

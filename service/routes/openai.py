@@ -13,7 +13,8 @@ from service import chat, sse
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import check_model, collect, render_chat, require_ready, sampling_params, start_turn, tokenize
+from service.turns import (check_model, check_supported, collect, render_chat, require_ready, sampling_params,
+                           start_turn, tokenize)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -28,10 +29,12 @@ async def models(request: Request, owner: str | None = Depends(tenant)):
 
 
 def _serving(request: Request, body):
-    """The app state, once the server is ready and the body names this model (or none)."""
+    """The app state, once the server is ready and the body names this model (or none) and asks
+    for nothing the server does not do."""
     st = request.app.state.s5
     require_ready(st)
     check_model(st, body.model)
+    check_supported(body)
     return st
 
 
@@ -66,8 +69,11 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
         ids = await tokenize(st, valid_text(p, "prompt"))
     else:
         ids = list(p)
+    echo = ""  # `echo`: the reply's text starts with the prompt's
+    if body.echo:
+        echo = p if isinstance(p, str) else (st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else "")
     turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turn, request, chat=False, model=st.model_name)
+    return await _respond(body, turn, request, chat=False, model=st.model_name, echo=echo)
 
 
 def _usage(turn, last) -> dict:
@@ -85,7 +91,7 @@ def _finish(reason: FinishReason | None) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
-async def _respond(body, turn, request: Request, chat: bool, model: str):
+async def _respond(body, turn, request: Request, chat: bool, model: str, echo: str = ""):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     headers = {"X-Request-Id": turn.request_id}
@@ -93,7 +99,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
     if not body.stream:
         text, ids, last = await collect(turn, request)
         choice = {"index": 0, "finish_reason": _finish(last.finish_reason if last else None), "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": echo + text})
         if body.return_token_ids:
             choice["token_ids"] = ids
         obj = "chat.completion" if chat else "text_completion"
@@ -125,7 +131,7 @@ async def _respond(body, turn, request: Request, chat: bool, model: str):
                 yield sse.event({"error": err})
                 break
             if out.text or (out.token_ids and (first or body.return_token_ids)):
-                yield chunk(out.text, None, first, out.token_ids)
+                yield chunk(echo + out.text if first else out.text, None, first, out.token_ids)
                 first = False
             if out.finished:
                 yield chunk(None, _finish(out.finish_reason), first)

@@ -12,7 +12,8 @@ from service import chat, sse
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import collect, engine_call, render_chat, require_ready, sampling_params, start_turn, tokenize
+from service.turns import (check_supported, collect, engine_call, render_chat, require_ready, sampling_params,
+                           start_turn, tokenize)
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
@@ -73,6 +74,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     require_ready(st)
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input or messages", "invalid_request", "input")
+    check_supported(body)
     params = sampling_params(body, st.end_of_turn_ids)
     append = params.max_tokens == 0
     history_len, ids = await _turn_input(st, session_id, owner, body, append)

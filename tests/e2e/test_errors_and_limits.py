@@ -59,6 +59,19 @@ MATRIX = [
     ("unknown route", "GET", "/v1/nothing", None, 404, "not_found"),
     ("wrong method", "GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
     ("session max_tokens negative", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "max_tokens": -1}, 400, "invalid_request"),
+    # asked-for behaviour the server does not implement: an error, never an answer that ignores it
+    ("json schema output", "POST", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+     400, "unsupported_parameter"),
+    ("tools", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "unsupported_parameter"),
+    ("tool_choice required", "POST", "/v1/chat/completions", chat(tool_choice="required"), 400, "unsupported_parameter"),
+    ("logprobs", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=2), 400, "unsupported_parameter"),
+    ("presence_penalty", "POST", "/v1/chat/completions", chat(presence_penalty=0.5), 400, "unsupported_parameter"),
+    ("frequency_penalty", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "unsupported_parameter"),
+    ("logit_bias", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "unsupported_parameter"),
+    ("best_of", "POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
+    ("session tools", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
 ]
 
 

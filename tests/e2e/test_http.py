@@ -178,3 +178,24 @@ def test_hundred_streams_thirty_disconnects(server):
     stats = server.stats()
     assert stats.rows_used == stats.session_rows  # no row leaked
     assert server.metric("s5_requests_running") == 0 and server.metric("s5_requests_queued") == 0
+
+
+def test_parameters_at_their_defaults_are_accepted_and_echo_prepends_the_prompt(server):
+    """The OpenAI parameters the server does not implement are refused only when they ask for
+    something (see the validation matrix); at their defaults they change nothing. `echo` puts the
+    prompt before the completion, streamed or not."""
+    base = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    plain = httpx.post(f"{server.url}/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "logit_bias": {},
+                "best_of": 1, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+    r = httpx.post(f"{server.url}/v1/completions", json={**base, **defaults}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
+    echoed = httpx.post(f"{server.url}/v1/completions", json={**base, "echo": True}, timeout=60)
+    assert echoed.json()["choices"][0]["text"] == base["prompt"] + plain
+    text = ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**base, "echo": True, "stream": True},
+                      timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == base["prompt"] + plain
