@@ -1,0 +1,40 @@
+"""`python -m bench.serve` end to end on the tiny model, each mode: it starts the real server,
+drives it, runs the engine alone on the same workload, and writes a result file whose figures
+are consistent with the workload (every token counted, no errors, ratios present)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(tmp_path, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.serve", "--model", "tiny-random", "--prompt-len", "24",
+                          "--new-tokens", "12", "--out", str(tmp_path), *args],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (path,) = tmp_path.glob("serve-cpu-tiny-random-*.json")
+    return json.loads(path.read_text())
+
+
+def test_concurrency_mode_counts_every_token_and_compares_with_the_engine(tmp_path):
+    res = run(tmp_path, "--n", "1", "3")
+    assert [r["n"] for r in res["rows"]] == [1, 3]
+    for row in res["rows"]:
+        assert row["errors"] == 0 and row["requests"] == row["n"]
+        assert row["output_tokens"] == 12 * row["n"]  # token_ids of every chunk, counted
+        assert row["engine"]["decode_tok_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["served_over_engine_decode"] == pytest.approx(row["decode_tok_s"] / row["engine"]["decode_tok_s"])
+        assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p99"]
+        assert row["event_loop_lag"]["samples"] > 0
+
+
+def test_session_mode_reuses_each_conversations_history(tmp_path):
+    res = run(tmp_path, "--mode", "sessions", "--sessions", "3", "--turns", "3", "--turn-tokens", "10")
+    (row,) = res["rows"]
+    assert row["errors"] == 0 and row["requests"] == 9
+    turns = row["per_turn"]
+    assert [t["prompt_tokens_mean"] for t in turns] == [10, 10 + 12 + 10, 10 + 2 * (12 + 10)]
+    # everything but the last sampled token of the previous turn is already in the session's row
+    assert [t["cached_tokens_mean"] for t in turns] == [0, 10 + 12 - 1, 10 + 2 * (12 + 10) - 11]
