@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import server_process
+from tests.servers import server_process
 
 
 @pytest.mark.parametrize("grace,max_tokens,finish,streams", [(30, 400, "length", 50), (1, 4000, "stop", 5)])

@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine, EngineConfig, Request, SamplingParams
 from service.settings import Settings
-from tests.e2e.conftest import LiveServer, free_port
+from tests.servers import LiveServer, free_port
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
 

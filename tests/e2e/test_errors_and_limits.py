@@ -9,7 +9,7 @@ import pytest
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.e2e.conftest import LiveServer, free_port
+from tests.servers import LiveServer, free_port
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, Request
 from engine.model_loader import LoadedModel

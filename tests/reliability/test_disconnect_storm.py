@@ -12,7 +12,7 @@ import pytest
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.e2e.conftest import LiveServer, free_port
+from tests.servers import LiveServer, free_port
 
 SESSIONS, TURNS, CUT_SHARE = 100, 5, 0.3
 

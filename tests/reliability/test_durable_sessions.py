@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import metric, server_process
+from tests.servers import metric, server_process
 
 ARGS = ("--model", "tiny-random:0", "--rows", "4", "--window", "5", "--sink", "2",
         "--api-key", "key-a", "--api-key", "key-b")

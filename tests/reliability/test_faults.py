@@ -11,11 +11,10 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
 from service.settings import Settings
-from tests.e2e.conftest import LiveServer, free_port, server_process
+from tests.servers import LiveServer, free_port, server_process
 from tests.helpers import greedy, tiny_loaded
 
 

@@ -16,7 +16,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.e2e.conftest import LiveServer, free_port
+from tests.servers import LiveServer, free_port
 
 FUZZ_EXAMPLES = int(os.environ.get("S5_FUZZ_EXAMPLES", "300"))
 

@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import metric, server_process
+from tests.servers import metric, server_process
 
 
 def lag_counts(url: str) -> tuple[float, float]:

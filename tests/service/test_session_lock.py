@@ -10,7 +10,7 @@ import pytest
 
 from engine import session_db
 from engine.session_db import SessionDB, SessionFileBusy, SessionFileLock
-from tests.e2e.conftest import free_port, server_process
+from tests.servers import free_port, server_process
 
 # another process opening the file (session_db.py alone: importing the engine package takes seconds)
 HOLD = textwrap.dedent(f"""
