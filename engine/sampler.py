@@ -68,6 +68,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
         probs = torch.softmax(sorted_x, dim=-1)
         top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev)[:, None]
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
+        drop[:, 0] = False  # and never less than the top token (a top_p below float32's range is 0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = x.index_copy(0, rows, torch.full_like(sub, float("-inf")).scatter(1, order, sorted_x))
     probs = torch.softmax(x, dim=-1)

@@ -28,6 +28,9 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed; others carry on
 
 
+GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # tokens to generate; 0 (a session turn only): append the input to the session, generating
@@ -57,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 sample the top token (dividing logits by them would
+        overflow); as vLLM does."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

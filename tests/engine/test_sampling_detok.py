@@ -22,6 +22,20 @@ def test_top_k_and_top_p_restrict_the_support():
         sample(torch.tensor([float("nan"), 1.0]), SamplingParams(), make_generator(0))
 
 
+def test_extreme_top_p_and_temperature_sample_the_top_token():
+    """A top_p below float32's range (5e-324 is 0 there) keeps the top token instead of none; a
+    temperature near 0 is greedy instead of an overflow. Both were server errors (found by the
+    API fuzz test)."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50)
+    top = logits.argmax(dim=-1).tolist()
+    gens = [make_generator(i) for i in range(4)]
+    tokens, ok = sample_batch(logits, [SamplingParams(temperature=1.0, top_p=5e-324)] * 4, gens)
+    assert all(ok) and tokens == top
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=0.01).greedy
+    assert [sample(logits[i], SamplingParams(temperature=1e-30), gens[i]) for i in range(4)] == top
+
+
 def test_batched_sampling_follows_each_rows_distribution_and_seed():
     """Rows with different temperature / top-k / top-p in one batch: each row's empirical
     frequencies match its own filtered softmax, and a row's token depends only on its own seed."""
