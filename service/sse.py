@@ -22,4 +22,4 @@ def event(obj) -> bytes:
 def response(frames: AsyncIterator[bytes], turn, headers: dict[str, str]) -> EventSourceResponse:
     """A streamed reply. However it ends (finished, failed or the client gone, whether or not its
     stream was being read), the turn is closed then: a request whose client left is aborted."""
-    return EventSourceResponse(frames, sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.close))
+    return EventSourceResponse(frames, sep="\n", headers=headers, ping=3600, background=BackgroundTask(turn.aclose))

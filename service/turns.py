@@ -214,8 +214,14 @@ class Turn:
         return Chunk(text, d.token_ids, d.finished, d.finish_reason, d.num_prompt_tokens, d.num_cached_tokens,
                      d.num_output_tokens, d.error)
 
+    async def aclose(self) -> None:
+        """`close` as a coroutine: a response's background task then runs it on the event loop
+        (a plain function would run on a worker thread, beside the loop's use of the same
+        EngineClient socket and in-flight table)."""
+        self.close()
+
     def close(self) -> None:
-        """The response ended: abort the request if it still runs. Idempotent."""
+        """The response ended: abort the request if it still runs. Idempotent. Event loop only."""
         if self.state.active.discard(self.request_id) and not self.finished:
             self.state.metrics.finished.labels("abort").inc()
         self.stream.abort()

@@ -5,6 +5,7 @@ prompt) never holds up other streams."""
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -141,4 +142,33 @@ def test_clients_that_stop_reading_then_close_free_their_rows_at_once(embedded_d
     finally:
         for s in socks:
             s.close()
+        srv.stop()
+
+
+def test_a_streamed_response_closes_its_turn_on_the_event_loop(monkeypatch):
+    """The end of a streamed response closes its turn on the event loop's thread, the only one
+    that may use the EngineClient's socket and the in-flight table (a plain-function background
+    task would run it on a worker thread)."""
+    import service.turns
+
+    threads = []
+    close = service.turns.Turn.close
+
+    def recording_close(turn):
+        threads.append(threading.current_thread())
+        close(turn)
+
+    monkeypatch.setattr(service.turns.Turn, "close", recording_close)
+    srv = LiveServer(Settings(engine=TINY, port=free_port())).start()
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 6, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 5
+        while not threads:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert threads == [srv.thread]
+    finally:
         srv.stop()
