@@ -23,11 +23,11 @@ import torch
 
 from bench.throughput import (SHAPES, copy_bandwidth, git_commit, prompts_for, run_engine, shape_models, source_digest,
                               step_weight_bytes)
-from engine.config import EngineConfig
-from engine.hf_adapter import geometry
-from engine.kv_policy import layer_layouts
-from engine.kv_rows import RowPool
-from engine.model_loader import LoadedModel
+from engine.core.config import EngineConfig
+from engine.model.hf_adapter import geometry
+from engine.kv.policy import layer_layouts
+from engine.kv.rows import RowPool
+from engine.model.loader import LoadedModel
 
 
 def session_bytes(model, policy: str, length: int, device: str) -> tuple[int, int]:

@@ -31,7 +31,7 @@ import transformers
 
 from bench.throughput import cpu_name, git_commit, source_digest
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.model_loader import LoadedModel, tiny_random_model
+from engine.model.loader import LoadedModel, tiny_random_model
 
 
 def host_us_per_step(n: int, prompt_len: int, steps: int, overlap: bool = False) -> float:

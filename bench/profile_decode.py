@@ -16,7 +16,7 @@ import torch
 
 from bench.throughput import SHAPES, prompts_for, shape_models
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 
 
 def started_engine(loaded, n: int, policy: str, prompt_len: int, batched_tokens: int, max_tokens: int) -> Engine:

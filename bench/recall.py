@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.hf_adapter import geometry
-from engine.model_loader import LoadedModel, load_model
+from engine.model.hf_adapter import geometry
+from engine.model.loader import LoadedModel, load_model
 
 CORPUS = Path(__file__).parent / "corpus" / "devils_dictionary.txt"
 
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     if n_docs:
         from transformers import AutoModelForCausalLM
 
-        from engine.model_loader import embedded_dir
+        from engine.model.loader import embedded_dir
 
         ref = reference
         if ref is None:

@@ -221,7 +221,7 @@ def engine_rate(spec: str, a, prompts, n: int) -> dict:
 
     from bench.throughput import run_engine
     from engine import EngineConfig
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype, quantization=a.quantization)
     loaded = load_model(cfg)
@@ -372,12 +372,12 @@ def main() -> None:
         from transformers import AutoConfig
 
         from engine import EngineConfig
-        from engine.model_loader import embedded_dir, load_tokenizer
+        from engine.model.loader import embedded_dir, load_tokenizer
 
         cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype)
         tokenizer = load_tokenizer(cfg)
         if spec.startswith("tiny-random"):
-            from engine.model_loader import tiny_random_config
+            from engine.model.loader import tiny_random_config
 
             vocab = tiny_random_config().vocab_size
         else:

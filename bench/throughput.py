@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.model_loader import load_model
+from engine.model.loader import load_model
 
 
 def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -319,14 +319,14 @@ def main() -> None:
     engines: dict[str, object] = {}
     hf_for: dict[str, object] = {}  # HF baseline per engine weights, where it differs from `hf`
     if a.shape:
-        from engine.model_loader import LoadedModel
+        from engine.model.loader import LoadedModel
 
         model, hf = shape_models(a.shape, a.device, dtype)
         engines["float32"], a.model = LoadedModel(model, None, a.shape), a.shape
         if "bnb-4bit" in weights:  # the same weights in NF4, for the engine and for HF alike
             import copy
 
-            from engine.model_loader import quantize_bnb4
+            from engine.model.loader import quantize_bnb4
 
             engines["bnb-4bit"] = LoadedModel(quantize_bnb4(copy.deepcopy(model), dtype), None, a.shape)
             hf_for["bnb-4bit"] = quantize_bnb4(copy.deepcopy(hf), dtype)
@@ -335,7 +335,7 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from engine.model_loader import embedded_dir
+        from engine.model.loader import embedded_dir
 
         for w in weights:
             engines[w] = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype,

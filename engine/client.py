@@ -37,8 +37,8 @@ import zmq
 import zmq.asyncio
 
 from engine import ipc
-from engine.config import EngineConfig
-from engine.types import EngineError, FinishReason, Request
+from engine.core.config import EngineConfig
+from engine.core.types import EngineError, FinishReason, Request
 
 log = logging.getLogger("s5serve.client")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from engine.types import FinishReason, Request
+from engine.core.types import FinishReason, Request
 
 # Engine verbs a `Call` may name (methods of engine.Engine, plus "stats" and "check_invariants").
 CALLS = ("create_session", "close_session", "reset_session", "release_row", "session_info", "session_tokens",
@@ -50,7 +50,7 @@ ToEngine = Submit | Abort | Call | Shutdown
 
 # ---- engine -> front end --------------------------------------------------------------------------
 class Output(msgspec.Struct, array_like=True, gc=False):
-    """engine.types.RequestOutput on the wire (same fields, same order)."""
+    """engine.core.types.RequestOutput on the wire (same fields, same order)."""
 
     request_id: str
     new_token_ids: list[int]  # tokens sampled this step

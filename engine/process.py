@@ -27,9 +27,9 @@ import time
 import zmq
 
 from engine import ipc
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.types import EngineError, Request, RequestOutput, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.types import EngineError, Request, RequestOutput, SamplingParams
 
 log = logging.getLogger("s5serve.engine")
 

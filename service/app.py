@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.client import EngineClient, EngineDead
-from engine.model_loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 from service import chat, errors
 from service.metrics import Metrics
 from service.routes import ops, openai, sessions

@@ -12,7 +12,7 @@ import time
 def _serve(argv: list[str]) -> int:
     import uvicorn
 
-    from engine.session_db import SessionFileBusy, SessionFileLock
+    from engine.core.session_db import SessionFileBusy, SessionFileLock
     from service.app import create_app
     from service.settings import exposure_warning, parse_serve_args
 
@@ -33,7 +33,7 @@ def _serve(argv: list[str]) -> int:
     if (warning := exposure_warning(settings)) is not None:
         log.warning(warning)
     if settings.engine.model == "embedded":
-        from engine.model_loader import embedded_dir
+        from engine.model.loader import embedded_dir
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
         embedded_dir(settings.engine.cache_dir, report=lambda line: print(line, flush=True))
@@ -117,18 +117,9 @@ def _chat(argv: list[str]) -> int:
             print()
 
 
-def _bench(argv: list[str]) -> int:
-    from bench import throughput
-
-    sys.argv = ["s5serve bench", *argv]
-    throughput.main()
-    return 0
-
-
 COMMANDS = {
     "serve": (_serve, "serve a model over HTTP (OpenAI-compatible routes and sessions, SSE)"),
     "chat": (_chat, "chat in the terminal over a session of a running server"),
-    "bench": (_bench, "run the engine throughput benchmark"),
 }
 
 

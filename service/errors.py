@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.types import EngineError
+from engine.core.types import EngineError
 
 # engine error code -> HTTP status
 STATUS = {

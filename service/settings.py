@@ -19,7 +19,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
-from engine.config import DTYPES, KV_POLICIES, EngineConfig
+from engine.core.config import DTYPES, KV_POLICIES, EngineConfig
 
 ENV_PREFIX = "S5_"
 

@@ -20,8 +20,8 @@ from fastapi import Request as HTTPRequest
 
 from engine import FinishReason, Request, SamplingParams
 from engine.client import Delta, EngineDead, RequestStream
-from engine.detokenizer import IncrementalDetokenizer
-from engine.types import EngineError
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.types import EngineError
 from service import chat
 from service.errors import APIError, from_engine, valid_text
 

@@ -6,7 +6,7 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def embedded_dir():
-    from engine.model_loader import embedded_dir as _embedded_dir
+    from engine.model.loader import embedded_dir as _embedded_dir
 
     return _embedded_dir(progress=False)
 
@@ -15,7 +15,7 @@ def embedded_dir():
 def embedded(embedded_dir):
     """The embedded model (float32) with its tokenizer, loaded once for the whole run."""
     from engine import EngineConfig
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(EngineConfig(model="embedded"))
 

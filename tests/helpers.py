@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, Request, SamplingParams
-from engine.model_loader import tiny_random_model
+from engine.model.loader import tiny_random_model
 
 
 def run_all(engine: Engine, requests: list[Request], arrivals: dict[str, int] | None = None,
@@ -97,7 +97,7 @@ def tiny_gemma4(seed: int = 0, **overrides):
 
 
 def tiny_loaded(seed: int = 0, **overrides):
-    from engine.model_loader import LoadedModel
+    from engine.model.loader import LoadedModel
 
     return LoadedModel(tiny_random_model(seed, **overrides), None, "tiny")
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench import recall
 from engine import EngineConfig
-from engine.model_loader import load_model
+from engine.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 

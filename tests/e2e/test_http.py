@@ -8,7 +8,7 @@ import random
 import httpx
 import pytest
 
-from engine.passkey import passkey_prompt
+from bench.passkey import passkey_prompt
 from service.client import AsyncClient, Client, NotFound
 
 pytestmark = pytest.mark.slow

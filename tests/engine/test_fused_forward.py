@@ -7,9 +7,10 @@ hold it to the stock forward directly, step by step, and check what it does to t
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, fused_forward, fused_gemma4
+from engine import Engine, EngineConfig
+from engine.model import fused_forward, fused_gemma4
 from engine.kernels import fused_ops
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.engine.test_resume import BASE, Recorder, converse, max_logit_diff, plan
 from tests.helpers import hf_greedy, tiny_gemma4, tiny_loaded, tiny_random_model
 
@@ -101,7 +102,7 @@ def test_fused_forward_takes_norms_a_stock_engine_substituted(family):
 def test_models_the_fused_forward_does_not_take_run_the_stock_layers():
     """Other families, Gemma 4 with per-layer input embeddings and quantized linears keep the
     stock forward, and still serve."""
-    from engine.quant import quantize_int8
+    from engine.model.quant import quantize_int8
 
     assert "not a Gemma 3 decoder" in fused_forward.unsupported(tiny_gemma4(0))
     assert "per-layer input" in fused_gemma4.unsupported(tiny_gemma4(0, hidden_size_per_layer_input=8,

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.helpers import greedy, run_all
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.types import FinishReason
+from engine.core.types import FinishReason
 from tests.helpers import tiny_loaded
 
 BASE = dict(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22, max_num_batched_tokens=64,

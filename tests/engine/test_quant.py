@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel, load_model
-from engine.quant import Int8Linear, KernelUnavailable, Q8Kernel, pack_rows, quantize_rows, unpack_rows
+from engine.model.loader import LoadedModel, load_model
+from engine.model.quant import Int8Linear, KernelUnavailable, Q8Kernel, pack_rows, quantize_rows, unpack_rows
 from tests.helpers import greedy, run_all
 
 

@@ -5,8 +5,8 @@ import random
 import torch
 
 from engine import Engine, EngineConfig, Request
-from engine.kv_policy import LayerLayout, layer_layouts
-from engine.kv_rows import RowPool
+from engine.kv.policy import LayerLayout, layer_layouts
+from engine.kv.rows import RowPool
 from tests.helpers import greedy, run_all, tiny_loaded
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import LoadedModel
-from engine.sampler import make_generator, sample, sample_batch
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.model.loader import LoadedModel
+from engine.runner.sampler import make_generator, sample, sample_batch
 from tests.helpers import run_all, tiny_loaded
 
 

@@ -1,6 +1,6 @@
 """Scheduler policy on fake capacity: decodes first, chunked prefill within the budget, FIFO."""
 
-from engine.scheduler import Scheduler, SchedRequest
+from engine.core.scheduler import Scheduler, SchedRequest
 
 
 class Capacity:

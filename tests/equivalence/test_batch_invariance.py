@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.helpers import greedy, run_all, tiny_loaded
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel, tiny_random_model
+from engine.model.loader import LoadedModel, tiny_random_model
 from tests.equivalence.test_s5_oracle import check_against_oracle, run_sessions
 from tests.helpers import greedy, hf_greedy, run_all
 
@@ -120,7 +120,7 @@ def check_decode_attention_store(layout: str, dtype, launch: dict | None = None)
     it; a ring also keeps what it overwrote in `evicted`) against the reference: (output rel
     err, max |store or evicted diff|)."""
     from engine.kernels.decode_attention import decode_attention, reference
-    from engine.kv_policy import ring_slot
+    from engine.kv.policy import ring_slot
 
     device = "cuda"
     gen = torch.Generator(device=device).manual_seed(5)
@@ -304,7 +304,7 @@ def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
     """bitsandbytes NF4 weights (quantized in memory from a bf16 random Gemma-3): the engine's
     greedy tokens (captured decode graphs) agree with HF generate on the same quantized model."""
     pytest.importorskip("bitsandbytes")
-    from engine.model_loader import quantize_bnb4
+    from engine.model.loader import quantize_bnb4
 
     kw = dict(dtype=torch.bfloat16, num_hidden_layers=6, head_dim=64, hidden_size=256, num_attention_heads=4,
               num_key_value_heads=1)

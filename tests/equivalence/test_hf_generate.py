@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.helpers import greedy, hf_greedy, run_all
 
 pytestmark = pytest.mark.slow

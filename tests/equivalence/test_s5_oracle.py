@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine import Engine, EngineConfig, Request
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.helpers import greedy, oracle_logits, tiny_loaded, tiny_reference
 
 
@@ -107,7 +107,7 @@ def test_tiny_multiturn_mixed_batches_match_oracle(policy, seed, static):
 def test_query_blocks_of_long_chunks_match_oracle(policy, budget, monkeypatch):
     """Long prefill chunks attend in query blocks (each against only the keys it can see); with
     4-token blocks every chunk here is split, across staging, windows and later turns."""
-    from engine import attention
+    from engine.runner import attention
 
     monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
     sink, window = 2, 5

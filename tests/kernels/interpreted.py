@@ -17,9 +17,10 @@ import os
 
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams, fused_forward, fused_gemma4
+from engine import Engine, EngineConfig, Request, SamplingParams
+from engine.model import fused_forward, fused_gemma4
 from engine.kernels import fused_ops, moe
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.helpers import tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

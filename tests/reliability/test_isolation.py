@@ -6,14 +6,14 @@ import random
 import pytest
 
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.passkey import FILLER
+from bench.passkey import FILLER
 
 SESSIONS, TURNS = 64, 5
 
 
 @pytest.fixture(scope="module")
 def int8_embedded(embedded_dir):
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(EngineConfig(model="embedded", quantization="int8"))
 

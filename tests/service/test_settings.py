@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from service.cli import main
 from service.settings import (SERVE_OPTIONS, Settings, default_session_db, exposure_warning,
                               parse_serve_args, serve_parser)
@@ -138,7 +138,7 @@ def test_binding_beyond_loopback_without_keys_warns():
 def test_top_level_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"  {name}" in out for name in ("serve", "chat", "bench"))
+    assert all(f"  {name}" in out for name in ("serve", "chat"))
     assert main(["--version"]) == 0 and "s5serve" in capsys.readouterr().out
     assert main([]) == 2 and main(["nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err

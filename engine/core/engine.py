@@ -40,19 +40,19 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import ForwardChunk
-from engine.config import EngineConfig
-from engine.decode_graph import GreedyFetch
-from engine.detokenizer import IncrementalDetokenizer
-from engine.hf_adapter import geometry
-from engine.kv_policy import layer_layouts
-from engine.kv_rows import RowPool, RowSnapshot, SwappedRow
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, RunnerInput
-from engine.sampler import greedy_batch, greedy_host, make_generator, sample_batch, sample_tokens
-from engine.scheduler import Scheduler, SchedRequest
-from engine.session_db import SessionDB
-from engine.types import EngineError, FinishReason, Request, RequestOutput
+from engine.runner.attention import ForwardChunk
+from engine.core.config import EngineConfig
+from engine.runner.decode_graph import GreedyFetch
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.model.hf_adapter import geometry
+from engine.kv.policy import layer_layouts
+from engine.kv.rows import RowPool, RowSnapshot, SwappedRow
+from engine.model.loader import LoadedModel, load_model
+from engine.runner.model_runner import ModelRunner, RunnerInput
+from engine.runner.sampler import greedy_batch, greedy_host, make_generator, sample_batch, sample_tokens
+from engine.core.scheduler import Scheduler, SchedRequest
+from engine.core.session_db import SessionDB
+from engine.core.types import EngineError, FinishReason, Request, RequestOutput
 
 log = logging.getLogger(__name__)
 

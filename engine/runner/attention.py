@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kv_policy import ring_slot, ring_survives
-from engine.kv_rows import RowPool
+from engine.kv.policy import ring_slot, ring_survives
+from engine.kv.rows import RowPool
 
 # On the CPU, a prefill chunk longer than this attends in query blocks of this many tokens, each
 # against only the keys its queries can see: under a causal mask, and more so under a sliding

@@ -17,7 +17,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     # None keeps `dtype` weights; "int8": weight-only int8 linears with float32 activations (CPU,
-    # engine/quant.py); "bnb-4bit": bitsandbytes NF4 weights (CUDA only).
+    # engine/model/quant.py); "bnb-4bit": bitsandbytes NF4 weights (CUDA only).
     quantization: str | None = None
     # KV policy, see kv_policy.py: s5 (default), native, full, sink-window (ablation control).
     kv_policy: str = "s5"

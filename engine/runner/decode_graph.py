@@ -31,10 +31,10 @@ import torch
 
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.graphs import capturing
-from engine.kv_policy import ring_slot
-from engine.kv_rows import RowPool
-from engine.sampler import greedy_tokens
-from engine.types import StepLogits
+from engine.kv.policy import ring_slot
+from engine.kv.rows import RowPool
+from engine.runner.sampler import greedy_tokens
+from engine.core.types import StepLogits
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 

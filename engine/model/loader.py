@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def _quantize(model, config: EngineConfig):
             quantize_bnb4(model, TORCH_DTYPES[config.dtype])
         return model
     if config.quantization == "int8":
-        from engine.quant import KernelUnavailable, Q8Kernel, quantize_int8
+        from engine.model.quant import KernelUnavailable, Q8Kernel, quantize_int8
 
         if TORCH_DTYPES[config.dtype] != torch.float32:
             raise ValueError("int8 quantization keeps float32 activations; use dtype float32")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.types import SamplingParams
+from engine.core.types import SamplingParams
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-KERNEL_SOURCE = Path(__file__).parent / "kernels" / "q8_matmul.c"
+KERNEL_SOURCE = Path(__file__).parents[1] / "kernels" / "q8_matmul.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Rows at or above which a matmul widens the weights and uses BLAS instead (prefill chunks), for
 # weights small enough that widening them costs little next to the matmul (not the output layer).

@@ -9,14 +9,14 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import fused_forward, fused_gemma4, hf_adapter
-from engine.attention import ForwardChunk, StepAttention
-from engine.decode_graph import GraphDecoder
+from engine.model import fused_forward, fused_gemma4, hf_adapter
+from engine.runner.attention import ForwardChunk, StepAttention
+from engine.runner.decode_graph import GraphDecoder
 from engine.kernels import launch
 from engine.kernels.rmsnorm import fuse_norms
 from engine.kernels.small_linear import substitute_linears
-from engine.kv_rows import RowPool
-from engine.types import StepLogits
+from engine.kv.rows import RowPool
+from engine.core.types import StepLogits
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.kv_policy import LayerLayout, ring_slot
+from engine.kv.policy import LayerLayout, ring_slot
 
 
 @dataclass

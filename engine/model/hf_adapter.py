@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from engine.attention import StepAttention
-from engine.kv_policy import FULL_ATTENTION, SLIDING_ATTENTION
+from engine.runner.attention import StepAttention
+from engine.kv.policy import FULL_ATTENTION, SLIDING_ATTENTION
 
 if TYPE_CHECKING:
-    from engine.decode_graph import DecodeBatch
+    from engine.runner.decode_graph import DecodeBatch
 
 ATTENTION_NAME = "s5serve_rows"
 

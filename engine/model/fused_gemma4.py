@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import hf_adapter
-from engine.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
+from engine.model import hf_adapter
+from engine.model.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import fused_ops, moe
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm

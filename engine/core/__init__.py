@@ -1,0 +1,1 @@
+"""The engine core: requests, sessions, scheduling and the step (see engine/__init__.py)."""

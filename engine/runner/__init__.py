@@ -1,0 +1,1 @@
+"""The model runner: one batched forward per step, its attention, static decode and sampling."""
