@@ -19,7 +19,7 @@ class EngineConfig:
     # None keeps `dtype` weights; "int8": weight-only int8 linears with float32 activations (CPU,
     # engine/model/quant.py); "bnb-4bit": bitsandbytes NF4 weights (CUDA only).
     quantization: str | None = None
-    # KV policy, see kv_policy.py: s5 (default), native, full, sink-window (ablation control).
+    # KV policy, see kv/policy.py: s5 (default), native, full, sink-window (ablation control).
     kv_policy: str = "s5"
     kv_sink: int = 4  # positions kept at the start of bounded layers
     kv_window: int = 64  # most recent positions kept on bounded layers between forwards

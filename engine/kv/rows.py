@@ -14,7 +14,7 @@ A row is one session (or one stateless request). It owns a list of blocks (paged
 position, so memory follows the row's length) and a fixed run of ring slots (bounded layers keep
 sink + window positions, so memory is constant in context length). `ring_pos[row, slot]` is the
 position a ring slot holds (-1: empty). A forward split over several steps stages its own tokens
-for staged ring layers until its last chunk (see kv_policy.py); staging is transient and counted.
+for staged ring layers until its last chunk (see policy.py); staging is transient and counted.
 
 Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`),
 and `check_invariants()` verifies: free + used == total for rows and blocks, no block owned twice,

@@ -1,4 +1,4 @@
-"""The stock transformers forward, with the engine's row attention. Besides model_loader (which
+"""The stock transformers forward, with the engine's row attention. Besides the loader (which
 loads models), the only engine module that imports transformers; fused_forward.py reads a loaded
 model's modules without importing it.
 

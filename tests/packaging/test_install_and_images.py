@@ -285,3 +285,21 @@ def test_compose_runs_one_server_per_profile_on_the_image_port():
         grace = int(str(svc["stop_grace_period"]).rstrip("s"))
         assert grace > 30, "stop_grace_period must outlast the drain grace (30 s)"
     assert services[cuda]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_image_build_steps_import_names_that_exist(kind):
+    """The `python -c` steps that bake the model and the CPU kernel into an image name project
+    modules; each `from X import Y` there must still resolve, or the image fails to build."""
+    import importlib
+
+    found = 0
+    for k, a in instructions(DOCKERFILES[kind]):
+        if k not in ("RUN", "HEALTHCHECK"):
+            continue
+        for module, names in re.findall(r"from ((?:engine|service|bench)[\w.]*) import ([\w, ]+)", a):
+            mod = importlib.import_module(module)
+            for name in names.split(","):
+                assert hasattr(mod, name.strip()), f"{kind} image: {module} has no {name.strip()}"
+            found += 1
+    assert found >= 1
