@@ -6,8 +6,10 @@ Map of the package (one owner per resource, data flows top to bottom):
     ipc.py           the wire to the engine process: typed messages (msgspec) over ZeroMQ
     process.py       the engine process: EngineCore loops commands in -> step -> one message out
     core/            the engine itself, no torch kernels
-      engine.py        Engine.step(): schedule -> run -> apply; sessions; abort and rollback
-      scheduler.py     admission, token budget, prefill chunks + decodes (no torch)
+      engine.py        Engine.step(): schedule -> run -> apply; requests end in one place
+      sessions.py      SessionTable: sessions, their owners, durability, where each row is
+      requests.py      a request's validation and plan (what it feeds, how its row comes back)
+      scheduler.py     token budget, prefill chunks + decodes; admission through a callback
       session_db.py    session transcripts on disk (SQLite)
       config.py        EngineConfig (frozen): model, device, dtype, KV policy, limits
       types.py         plain data shared across the engine: SamplingParams, Request, outputs, errors
@@ -27,7 +29,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       fused_gemma4.py  the same for Gemma 4 (dense or mixture of experts)
       quant.py         int8 linear layers for the CPU (module substitution)
     kernels/         q8_matmul.c (CPU int8), decode_attention / fused_ops / moe / rmsnorm /
-                     small_linear (Triton), launch (programmatic dependent launch), graphs
+                     small_linear (Triton), launch (programmatic dependent launch)
 """
 
 from engine.core.config import EngineConfig

@@ -120,7 +120,6 @@ class EngineCore:
         self.invariant_checks = 0
         self.invariant_failures = 0
         self._stats_at = 0.0
-        self._calls = {name: getattr(self, "_" + name, None) or getattr(engine, name) for name in ipc.CALLS}
 
     def serve(self, inbox) -> None:
         engine = self.engine
@@ -170,7 +169,9 @@ class EngineCore:
             if outs:
                 self._send(outs, 0.0)
         elif isinstance(msg, ipc.Call):
-            fn = self._calls.get(msg.method)
+            # looked up per call: a table of bound methods kept on self would be a reference cycle
+            fn = (getattr(self, "_" + msg.method, None) or getattr(engine, msg.method)) if msg.method in ipc.CALLS \
+                else None
             if fn is None:
                 self._reply(msg.call_id, error=EngineError(f"unknown engine call {msg.method!r}"))
                 return
@@ -212,7 +213,7 @@ class EngineCore:
         util = 1 - pool.num_free_blocks / (pool.num_blocks - 1) if pool.paged_layers else 0.0
         session_rows = sum(s.row is not None for s in e.sessions.values())
         return ipc.EngineStats(e.num_waiting, e.num_running, pool.num_rows, pool.num_rows - pool.num_free_rows,
-                               session_rows, util, len(e.sessions), e.swapped_bytes, dict(e.stats), self.invariant_checks,
+                               session_rows, util, len(e.sessions), e.sessions.swapped_bytes, dict(e.stats), self.invariant_checks,
                                self.invariant_failures)
 
     def _check_invariants(self) -> None:

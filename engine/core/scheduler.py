@@ -4,7 +4,8 @@ Policy (continuous batching with chunked prefill):
   1. every running request that is decoding gets one token (oldest first);
   2. requests still prefilling continue, in admission order, with chunks that fit the token budget;
   3. waiting requests are admitted in arrival order while the budget, the per-step row limit and
-     the KV capacity allow it (the capacity check and commit are the caller's: `KVCapacity`).
+     the KV capacity allow it (the check and the commit are the caller's `admit`, passed to
+     each `schedule` call, so the scheduler holds no reference to its caller).
 A request's prefill is one logical forward, or several when a row is rebuilt from a stored
 transcript (`forward_ends`): a chunk never crosses the end of one, so each is replayed as it ran.
 Admission is FIFO: a request that does not fit blocks those behind it, so big requests are not
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 @dataclass
 class SchedRequest:
     request_id: str
     num_prompt_tokens: int  # tokens to prefill for this turn
-    num_computed: int = 0  # prompt tokens already scheduled
+    num_scheduled: int = 0  # prompt tokens scheduled in earlier steps and this one
     decoding: bool = False  # prefill done; each step feeds the last sampled token
     # ends (token counts) of the logical forwards that precede the last one; empty: the prefill
     # is one logical forward (chunked as the budget allows)
@@ -31,7 +33,7 @@ class SchedRequest:
 
     @property
     def num_remaining(self) -> int:
-        return self.num_prompt_tokens - self.num_computed
+        return self.num_prompt_tokens - self.num_scheduled
 
 
 class ScheduledChunk(NamedTuple):
@@ -52,16 +54,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
-class KVCapacity(Protocol):
-    def try_admit(self, request_id: str) -> bool:
-        """Reserve what the request needs (row, blocks) if available; False leaves all unchanged."""
-
-
 class Scheduler:
-    def __init__(self, token_budget: int, max_seqs: int, capacity: KVCapacity) -> None:
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
         self.token_budget = token_budget
         self.max_seqs = max_seqs
-        self.capacity = capacity
         self.waiting: deque[SchedRequest] = deque()
         self.running: list[SchedRequest] = []
 
@@ -95,7 +91,9 @@ class Scheduler:
             return None
         return [r.request_id for r in self.running]
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: Callable[[str], bool]) -> SchedulerOutput:
+        """The next step's chunks. `admit(request_id)` reserves what a waiting request needs (its
+        row, its blocks) and returns True, or returns False and changes nothing."""
         budget, seqs = self.token_budget, self.max_seqs
         chunks: list[ScheduledChunk] = []
         for r in self.running:
@@ -109,7 +107,7 @@ class Scheduler:
         admitted = []
         while self.waiting and budget > 0 and seqs > 0:
             r = self.waiting[0]
-            if not self.capacity.try_admit(r.request_id):
+            if not admit(r.request_id):
                 break
             self.waiting.popleft()
             self.running.append(r)
@@ -123,11 +121,11 @@ class Scheduler:
         n = min(r.num_remaining, budget)
         forward_done = False
         if r._next_end < len(r.forward_ends):
-            to_end = r.forward_ends[r._next_end] - r.num_computed
+            to_end = r.forward_ends[r._next_end] - r.num_scheduled
             if n >= to_end:
                 n, forward_done = to_end, True
                 r._next_end += 1
-        r.num_computed += n
+        r.num_scheduled += n
         done = r.num_remaining == 0
         if done:
             r.decoding = True

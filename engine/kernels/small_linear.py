@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.graphs import capturing
 from engine.kernels.launch import kernel_args
 
 try:
@@ -238,7 +237,7 @@ def graph_ms(fn, reps: int = 20) -> float:
         fn()  # compiles
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
+    with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
     graph.replay()

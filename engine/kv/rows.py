@@ -143,6 +143,15 @@ class RowPool:
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
         self._free_blocks: list[int] = list(range(num_blocks - 1, 0, -1))
 
+    @classmethod
+    def sized(cls, layouts: list[LayerLayout], kv_shapes: list[tuple[int, int]], dtype: torch.dtype,
+              device: torch.device | str, num_rows: int, block_size: int, cache_bytes: int) -> RowPool:
+        """A pool whose paged blocks take about `cache_bytes` (at least one block besides block 0)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        paged_bytes = sum(2 * h * d * item for (h, d), lay in zip(kv_shapes, layouts) if lay.paged)
+        num_blocks = max(2, cache_bytes // (block_size * max(paged_bytes, 1)) + 1)
+        return cls(layouts, kv_shapes, dtype, device, num_rows=num_rows, block_size=block_size, num_blocks=num_blocks)
+
     # ---- capacity -----------------------------------------------------------------------------
     @property
     def num_free_rows(self) -> int:
@@ -227,6 +236,10 @@ class RowPool:
         self.trim(row)
 
     # ---- swapping whole rows to host memory ---------------------------------------------------------
+    def swap_nbytes(self, row: int) -> int:
+        """Host bytes a swap of this row takes: its ring slots and the positions it holds."""
+        return self.kv_len(row) * self.paged_position_bytes + self.ring_row_bytes
+
     def swap_out(self, row: int) -> SwappedRow:
         """Copy the row to host memory and free it (and its blocks). The row must be between
         forwards (no staging)."""

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from engine.kernels.decode_attention import decode_attention
-from engine.kernels.graphs import capturing
 from engine.kv.policy import ring_slot
 from engine.kv.rows import RowPool
 from engine.runner.sampler import greedy_tokens
@@ -197,7 +196,7 @@ class GraphDecoder:
                     self._forward(batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with capturing(graph, pool=mempool):
+            with torch.cuda.graph(graph, pool=mempool):
                 self.outputs[size] = self._forward(batch)
             graph.replay()  # a graph's first launch uploads it to the device (ms): not in a served step
             self.graphs[size] = graph

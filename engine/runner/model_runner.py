@@ -11,12 +11,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model import fused_forward, fused_gemma4, hf_adapter
 from engine.runner.attention import ForwardChunk, StepAttention
-from engine.runner.decode_graph import GraphDecoder
+from engine.runner.decode_graph import GraphDecoder, GreedyFetch
+from engine.runner.sampler import sample_tokens
 from engine.kernels import launch
 from engine.kernels.rmsnorm import fuse_norms
 from engine.kernels.small_linear import substitute_linears
 from engine.kv.rows import RowPool
-from engine.core.types import StepLogits
+from engine.core.types import SamplingParams, StepLogits
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,15 @@ def stock_experts_capturable(model) -> bool:
     return True
 
 
+def stock_forward(model, layer_kinds: frozenset[str]):
+    """The stock transformers forward with the engine's attention, as the runner calls a forward."""
+
+    def forward(input_ids, positions, step, logits_index) -> torch.Tensor:
+        return hf_adapter.forward(model, input_ids, positions, step, logits_index, layer_kinds)
+
+    return forward
+
+
 class RunnerInput(NamedTuple):
     chunk: ForwardChunk
     token_ids: list[int]  # the chunk's new tokens
@@ -68,19 +78,17 @@ class ModelRunner:
         if fused:  # the engine's own forward for the model's family, where it takes the model
             gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
             self.fused = (fused_gemma4 if gemma4 else fused_forward).build(model, self.pdl)
-        self.forward = self.fused.forward if self.fused is not None else self._stock_forward
+        self.forward = self.fused.forward if self.fused is not None else stock_forward(model, self.layer_kinds)
         if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
             self.fused_norms = fuse_norms(model)
             self.small_linears = substitute_linears(model)
             capture = capture and stock_experts_capturable(model)
         self.decoder = None
-        if static_decode:
+        if static_decode:  # the decoder gets what it calls, never the runner: no reference cycle
             hidden = model.get_input_embeddings().weight.shape[1]
+            pdl = self.pdl
             self.decoder = GraphDecoder(self.forward, pool, static_decode, max_model_len, capture, undoable,
-                                        lambda size: self.pdl and launch.worthwhile(size, hidden))
-
-    def _stock_forward(self, input_ids, positions, step, logits_index) -> torch.Tensor:
-        return hf_adapter.forward(self.model, input_ids, positions, step, logits_index, self.layer_kinds)
+                                        lambda size: pdl and launch.worthwhile(size, hidden))
 
     def run(self, inputs: list[RunnerInput], sources: list[int] | None = None) -> StepLogits:
         """Runs the step: the logits of the rows that want them, whose inputs they belong to, and
@@ -107,3 +115,19 @@ class ModelRunner:
             logits = self.forward(input_ids, positions, step, index)  # [n, V]
         step.commit()
         return StepLogits(logits, owners, None)
+
+    def fetch_picks(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator]) -> GreedyFetch:
+        """A static step's tokens on their way to the host, and left on the device for the step
+        launched next: its greedy tokens [2, n] (token, finite), with each sampling row's draw (its
+        own generator, as `sample_batch` draws) in its lane."""
+        sampled = [j for j, p in enumerate(params) if not p.greedy]
+        picks = greedy
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            drawn = sample_tokens(logits.index_select(0, idx), [params[j] for j in sampled],
+                                  [generators[j] for j in sampled])
+            picks = greedy.clone()
+            picks[:, idx] = drawn
+            self.decoder.feed_next(picks[0])
+        return self.decoder.fetch(picks)

@@ -8,6 +8,8 @@ one host sync however many rows sample.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from engine.core.types import SamplingParams
@@ -88,3 +90,29 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if not ok[0]:
         raise ValueError("non-finite logits")
     return tokens[0]
+
+
+def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[SamplingParams],
+                generators: list[torch.Generator], skip: Collection[int] = ()) -> tuple[dict, dict]:
+    """A step's tokens: row j of `logits` [n, vocab] samples with `params[j]` and `generators[j]`
+    (rows in `skip` are left out). `greedy`: the step's own greedy tokens [2, n], where it made
+    them. Greedy rows are one device call and sampled rows another. Returns ({j: (token, finite)},
+    {j: error}): a sampling failure fails the sampled rows only."""
+    greedy_rows = [j for j, p in enumerate(params) if p.greedy and j not in skip]
+    sampled_rows = [j for j, p in enumerate(params) if not p.greedy and j not in skip]
+    picked: dict[int, tuple[int, bool]] = {}
+    failed: dict[int, str] = {}
+    if greedy_rows:
+        if len(greedy_rows) < len(params):
+            tokens, finite = greedy_batch(logits[greedy_rows])
+        else:
+            tokens, finite = greedy_host(greedy) if greedy is not None else greedy_batch(logits)
+        picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
+    if sampled_rows:
+        try:
+            tokens, finite = sample_batch(logits[sampled_rows], [params[j] for j in sampled_rows],
+                                          [generators[j] for j in sampled_rows])
+            picked.update({j: (t, ok) for j, t, ok in zip(sampled_rows, tokens, finite)})
+        except Exception as exc:
+            failed = {j: f"sampling failed: {exc}" for j in sampled_rows}
+    return picked, failed

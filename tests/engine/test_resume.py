@@ -116,7 +116,7 @@ def test_sessions_survive_a_restart(tmp_path):
     first.add_request(Request("cut", [7, 8, 9], greedy(30), session_id=sids[0], owner=_owner(first, sids[0])))  # in flight at the "crash"
     first.step()
     # a crash: nothing is closed or flushed; the kernel drops a dead process's file lock
-    first.db._lock.release()
+    first.sessions.db._lock.release()
     del first
 
     restarted = Engine(EngineConfig(**BASE, max_rows=8, session_db=db), tiny_loaded(0))
@@ -144,7 +144,7 @@ def test_sessions_survive_a_restart(tmp_path):
     assert len(again.sessions) == 3
     again.close()
     other = Engine(EngineConfig(**{**BASE, "kv_window": 6}, max_rows=8, session_db=db), tiny_loaded(0))
-    assert other.sessions == {}
+    assert len(other.sessions) == 0
 
 
 def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path):
@@ -156,20 +156,20 @@ def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path)
     engine = Engine(EngineConfig(**BASE, max_rows=4, session_db=db), tiny_loaded(0))
     turns = plan(4, sessions=2, turns=2)
     _, (broken, fine) = converse(engine, turns, rounds=[0])
-    real = engine.db.append_turn
+    real = engine.sessions.db.append_turn
 
     def disk_full(session_id, *args):
         if session_id == broken:
             raise sqlite3.OperationalError("database or disk is full")
         return real(session_id, *args)
 
-    engine.db.append_turn = disk_full
+    engine.sessions.db.append_turn = disk_full
     out, _ = converse(engine, turns, sids=[broken, fine], rounds=[1])
     assert all(len(o[0]) == t[1][1] for o, t in zip(out, turns))  # both turns completed
     assert engine.stats["session_db_errors"] == 1
     assert not engine.session_info(broken, owner=_owner(engine, broken))["durable"] and engine.session_info(fine, owner=_owner(engine, fine))["durable"]
     assert len(engine.session_tokens(broken, owner=_owner(engine, broken))) == engine.session_info(broken, owner=_owner(engine, broken))["history_tokens"]
-    engine.db.create = lambda *a: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
+    engine.sessions.db.create = lambda *a: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
     with pytest.raises(EngineError) as err:
         engine.create_session()
     assert err.value.code == "session_store_unavailable" and len(engine.sessions) == 2

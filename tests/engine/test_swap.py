@@ -41,10 +41,10 @@ def test_swapped_rows_come_back_exactly(policy):
     assert roomy.stats["swaps_out"] == 0 and tight.stats["swaps_out"] >= 10 and tight.stats["swaps_in"] >= 10
     assert got == want
     states = {tight.session_info(s)["state"] for s in sids}
-    assert "swapped" in states and tight.swapped_bytes == sum(tight.session_info(s)["host_kv_bytes"] for s in sids)
+    assert "swapped" in states and tight.sessions.swapped_bytes == sum(tight.session_info(s)["host_kv_bytes"] for s in sids)
     for s in sids:
         tight.close_session(s)
-    assert tight.swapped_bytes == 0
+    assert tight.sessions.swapped_bytes == 0
     tight.check_invariants()
 
 

@@ -563,34 +563,30 @@ def test_cuda_overlap_equals_plain_order(policy):
     assert seen["undone_session_rows"] >= 2 and seen["stopped_mid"] >= 1
 
 
-def test_graph_capture_keeps_the_garbage_collector_out():
-    """A dropped object in a reference cycle that holds a CUDA graph is freed by the collector,
-    and freeing a graph during a capture invalidates that capture. `capturing` pauses the
-    collector: cyclic garbage made before a capture survives the allocations inside it (enough to
-    set the collector off), the capture ends and replays, and the collector is back on after."""
+def test_a_dropped_engine_frees_its_graphs_at_once():
+    """Freeing a CUDA graph while another is being captured invalidates that capture, and an
+    object in a reference cycle is freed whenever the collector runs (at any allocation). The
+    engine's objects form no cycle (tests/engine/test_structure.py), so a dropped engine frees its
+    graphs at once, with the collector off: a second engine on the same model then captures its
+    own and decodes the same tokens."""
     import gc
+    import weakref
 
-    from engine.kernels.graphs import capturing
-
-    x = torch.zeros(8, device="cuda")
-
-    def drop_a_cycle_holding_a_graph():
-        holder = {}
-        holder["self"] = holder
-        holder["graph"] = g = torch.cuda.CUDAGraph()
-        with capturing(g):
-            x.add_(1)
-
+    model = tiny_random_model(3, dtype=torch.bfloat16, num_hidden_layers=4, head_dim=64, hidden_size=256,
+                              num_attention_heads=4, num_key_value_heads=1).cuda()
+    cfg = EngineConfig(model="tiny-random", device="cuda", dtype="bfloat16", kv_sink=2, kv_window=8,
+                       max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=4, decode_graphs=True)
+    requests = lambda: [Request(f"r{i}", [5 + i, 6, 7, 8], greedy(24)) for i in range(3)]  # noqa: E731
     gc.collect()
-    drop_a_cycle_holding_a_graph()
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
-        assert not gc.isenabled()
-        junk = [[i] for i in range(100_000)]  # far past the collector's thresholds
-        y = x * 2
-    assert gc.isenabled() and len(junk) == 100_000
-    x.fill_(3.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, torch.full_like(x, 6.0))
-    gc.collect()
+    gc.disable()
+    try:
+        first = Engine(cfg, LoadedModel(model, None, "tiny"))
+        want = run_all(first, requests())
+        assert first.runner.decoder.graphs
+        refs = [weakref.ref(first), weakref.ref(first.runner.decoder)]
+        del first
+        assert all(r() is None for r in refs)
+        second = Engine(cfg, LoadedModel(model, None, "tiny"))
+        assert run_all(second, requests()) == want and second.runner.decoder.graphs
+    finally:
+        gc.enable()

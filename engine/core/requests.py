@@ -1,0 +1,140 @@
+"""A request's validation and its plan: what it feeds, how long its row may grow, how its row's
+history is brought back. Planning changes nothing; the engine commits a plan (`LiveRequest`) only
+once it is valid.
+
+A session turn feeds `history[kv_len:] + new input` as one logical forward: history is never
+prefilled twice. A session without a row (given up, or loaded from the SessionDB) replays the
+logical forwards that computed its history, so its row is rebuilt exactly (`forward_ends`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.scheduler import SchedRequest
+from engine.core.sessions import Session
+from engine.core.types import EngineError, Request
+from engine.kv.rows import RowPool, RowSnapshot
+from engine.runner.sampler import make_generator
+
+
+@dataclass
+class LiveRequest:
+    request: Request
+    sched: SchedRequest
+    feed: list[int]  # tokens this turn prefills: uncomputed history + new input
+    num_cached: int  # history tokens already in the row
+    history_len: int  # session history length when the turn began (rollback point)
+    max_len: int  # positions this request may reach (context limit)
+    generator: torch.Generator
+    detok: IncrementalDetokenizer | None
+    forward_ends: list[int] = field(default_factory=list)  # replayed forwards' ends within feed
+    diverged: bool = False  # the prompt does not continue the session: it starts over (reset)
+    row: int | None = None
+    forward_start: int = 0  # row length when the current logical forward began
+    snapshot: RowSnapshot | None = None  # row state to restore if the turn does not complete
+    row_is_new: bool = False  # row allocated for this turn (rollback frees it)
+    output_ids: list[int] = field(default_factory=list)
+    # (lane, position) in the newest launched step, while its token is not applied yet
+    ahead: tuple[int, int] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class RequestPlanner:
+    """Checks a request against the model and the pool, and plans it."""
+
+    def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._seeds = itertools.count(seed * 1_000_003)
+
+    def plan(self, request: Request, session: Session | None, history: list[int]) -> LiveRequest:
+        """The request's plan, given its session and that session's history. Raises EngineError
+        (and changes nothing) when the request is invalid."""
+        params = request.params
+        params.validate()
+        ids = request.prompt_token_ids
+        if not ids:
+            raise EngineError("prompt is empty", param="prompt")
+        if request.append_only and session is None:
+            raise EngineError("max_tokens 0 appends to a session: a request without one must generate",
+                              param="max_tokens")
+        vocab = self.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
+            raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer", param="stop")
+        if session is not None and session.busy is not None:
+            raise EngineError("session has a turn in flight", code="session_busy", param="session_id")
+        if request.expect_history_len is not None and request.expect_history_len != len(history):
+            raise EngineError("another turn of this session committed while this one was prepared; retry",
+                              code="session_busy", param="session_id")
+        diverged = False
+        if request.match_prefix and history:  # the prompt is the whole conversation
+            if len(history) < len(ids) and ids[: len(history)] == history:
+                ids = ids[len(history):]
+                request = replace(request, prompt_token_ids=ids, match_prefix=False)
+            else:  # it does not continue the stored history: the session starts over with it
+                history, diverged = [], True
+        max_len = self._check_length(len(history), len(ids), params.max_tokens)
+        kv_len, forward_ends = 0, []
+        if diverged or session is None:
+            pass
+        elif session.row is not None:
+            kv_len = self.pool.kv_len(session.row)
+        elif session.swapped is not None:
+            kv_len = session.swapped.kv_len  # the turn brings the row back from host memory
+        elif history:  # no row: rebuild it by replaying the forwards that computed the history
+            for prefill, decodes in session.forwards:
+                end = forward_ends[-1] if forward_ends else 0
+                forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
+        feed = history[kv_len:] + list(ids)
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        return LiveRequest(
+            request=request,
+            sched=SchedRequest(request.request_id, len(feed), forward_ends=forward_ends),
+            feed=feed,
+            num_cached=kv_len,
+            history_len=len(history),
+            max_len=max_len,
+            generator=make_generator(seed),
+            # stop strings are matched on the text (the front end detokenizes for the client)
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            forward_ends=forward_ends,
+            diverged=diverged,
+        )
+
+    def _check_length(self, num_history: int, num_input: int, max_tokens: int) -> int:
+        """The positions the request may reach; raises when they do not fit the model or the pool."""
+        if num_history + num_input >= self.max_model_len:
+            raise EngineError(
+                f"history ({num_history}) + prompt ({num_input}) tokens reach the context limit of "
+                f"{self.max_model_len} tokens",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        if num_history + num_input + max_tokens > self.max_model_len:
+            raise EngineError(
+                f"prompt ({num_history + num_input} tokens with history) + max_tokens ({max_tokens}) "
+                f"exceed the context limit of {self.max_model_len} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        max_len = min(num_history + num_input + max_tokens, self.max_model_len)
+        if self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
+            raise EngineError(
+                f"{max_len} tokens exceed the KV cache ({(self.pool.num_blocks - 1) * self.pool.block_size} "
+                "tokens); lower max_tokens",
+                code="kv_capacity_exceeded",
+                param="max_tokens",
+            )
+        return max_len
