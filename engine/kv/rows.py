@@ -275,6 +275,16 @@ class RowPool:
         self._rows[row].kv_len = swapped.kv_len
         return row
 
+    def contents(self, row: int) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """Everything the row holds, on the host: (kv_len, ring positions, K, V), K and V per
+        layer (ring layers' slots, then paged layers' positions). For checks, not the step."""
+        kv_len = self.kv_len(row)
+        ring = self._ring_range(row)
+        slots = torch.from_numpy(self.paged_slots(row, 0, kv_len)).to(self.device)
+        ks = [self.k[i][ring].cpu() for i in self.ring_layers] + [self.k[i][slots].cpu() for i in self.paged_layers]
+        vs = [self.v[i][ring].cpu() for i in self.ring_layers] + [self.v[i][slots].cpu() for i in self.paged_layers]
+        return kv_len, self.ring_pos[row].tolist(), ks, vs
+
     # ---- reads for the step ---------------------------------------------------------------------
     def row(self, row: int) -> RowState:
         return self._rows[row]

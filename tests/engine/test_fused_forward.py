@@ -11,8 +11,10 @@ from engine import Engine, EngineConfig
 from engine.model import fused_forward, fused_gemma4
 from engine.kernels import fused_ops
 from engine.model.loader import LoadedModel
-from tests.engine.test_resume import BASE, Recorder, converse, max_logit_diff, plan
+from tests.scenarios import Recorder, converse, max_logit_diff, plan
 from tests.helpers import hf_greedy, tiny_gemma4, tiny_loaded, tiny_random_model
+
+BASE = dict(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22, max_num_batched_tokens=16)
 
 
 def _tiny(family):

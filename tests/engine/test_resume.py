@@ -3,62 +3,13 @@ memory left for swapping, or the process restarted and only its SessionDB transc
 gets the row rebuilt on its next turn by replaying the forwards that computed its history, and
 that turn's logits equal those of a session that never left."""
 
-import random
-
 import pytest
 
 from engine import Engine, EngineConfig, Request
 from tests.helpers import greedy, tiny_loaded
+from tests.scenarios import Recorder, converse, max_logit_diff, owner_of, plan
 
 BASE = dict(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22, max_num_batched_tokens=16)
-
-
-def plan(seed, sessions=5, turns=4):
-    """Per session, per turn: (input ids, max_tokens); outputs longer than the window."""
-    rng = random.Random(seed)
-    return [[([rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))], rng.randrange(1, 12))
-             for _ in range(turns)] for _ in range(sessions)]
-
-
-class Recorder:
-    """Every step's logits by (request id, position)."""
-
-    def __init__(self, engine):
-        self.logits = {}
-        engine.logits_hook = lambda rid, pos, row: self.logits.__setitem__((rid, pos), row.detach().clone())
-
-
-def _owner(engine, sid):
-    """The tenant a session belongs to (sessions answer their own owner only)."""
-    return engine.sessions[sid].owner if sid in engine.sessions else None
-
-
-def converse(engine, turns, sids=None, rounds=None, before_round=None):
-    """All sessions submit round r together; returns (outputs per session per round, sids)."""
-    sids = sids or [engine.create_session(owner=f"tenant-{i % 2}") for i in range(len(turns))]
-    out = [[] for _ in sids]
-    for r in rounds or range(len(turns[0])):
-        if before_round is not None:
-            before_round(engine, sids, r)
-        got = {sid: [] for sid in sids}
-        for sid, t in zip(sids, turns):
-            engine.add_request(Request(f"{sid}-{r}", t[r][0], greedy(t[r][1]), session_id=sid,
-                                       owner=_owner(engine, sid)))
-        while engine.has_work():
-            for o in engine.step():
-                assert o.error is None, o.error
-                got[o.request_id.rsplit("-", 1)[0]].extend(o.new_token_ids)
-            engine.check_invariants()
-        for i, sid in enumerate(sids):
-            out[i].append(got[sid])
-    return out, sids
-
-
-def max_logit_diff(a: Recorder, b: Recorder, rename: dict[str, str]) -> float:
-    keys = [(rid, pos) for rid, pos in b.logits]
-    assert keys
-    return max((a.logits[(rename.get(rid.rsplit("-", 1)[0], rid.rsplit("-", 1)[0]) + "-" + rid.rsplit("-", 1)[1], pos)]
-                - b.logits[(rid, pos)]).abs().max().item() for rid, pos in keys)
 
 
 @pytest.mark.parametrize(("policy", "static"), [("s5", False), ("sink-window", False), ("s5", True)])
@@ -78,7 +29,7 @@ def test_rows_given_up_are_rebuilt_exactly(policy, static):
           f"forwards, {tight.stats['swaps_out']} swapped; max |logit diff| vs never left {diff:.2e}")
     assert tight.stats["rebuilds"] >= 8 and roomy.stats["rebuilds"] == 0
     assert got == want and diff < 1e-4
-    assert "rebuild" in {tight.session_info(s, owner=_owner(tight, s))["last_resume"]["path"] for s in sids_t}
+    assert "rebuild" in {tight.session_info(s, owner=owner_of(tight, s))["last_resume"]["path"] for s in sids_t}
 
 
 def test_replaying_the_forwards_is_what_makes_it_exact():
@@ -93,7 +44,7 @@ def test_replaying_the_forwards_is_what_makes_it_exact():
     def forget(engine, sids, r):
         if r == len(turns[0]) - 1:
             for sid in sids:
-                engine.release_row(sid, owner=_owner(engine, sid))
+                engine.release_row(sid, owner=owner_of(engine, sid))
                 engine.sessions[sid].forwards = []  # no boundaries: one forward of the whole history
 
     got, sids_n = converse(naive, turns, before_round=forget)
@@ -112,8 +63,8 @@ def test_sessions_survive_a_restart(tmp_path):
     first = Engine(EngineConfig(**BASE, max_rows=8, session_db=db), tiny_loaded(0))
     before, sids = converse(first, turns, rounds=range(3))
     assert before == [w[:3] for w in want]
-    history = {sid: first.session_tokens(sid, owner=_owner(first, sid)) for sid in sids}
-    first.add_request(Request("cut", [7, 8, 9], greedy(30), session_id=sids[0], owner=_owner(first, sids[0])))  # in flight at the "crash"
+    history = {sid: first.session_tokens(sid, owner=owner_of(first, sid)) for sid in sids}
+    first.add_request(Request("cut", [7, 8, 9], greedy(30), session_id=sids[0], owner=owner_of(first, sids[0])))  # in flight at the "crash"
     first.step()
     # a crash: nothing is closed or flushed; the kernel drops a dead process's file lock
     first.sessions.db._lock.release()
@@ -123,24 +74,24 @@ def test_sessions_survive_a_restart(tmp_path):
     rec = Recorder(restarted)
     assert set(restarted.sessions) == set(sids)
     for i, sid in enumerate(sids):
-        info = restarted.session_info(sid, owner=_owner(restarted, sid))
+        info = restarted.session_info(sid, owner=owner_of(restarted, sid))
         assert info["state"] == "stored" and info["history_tokens"] == len(history[sid]) and info["turns"] == 3
         assert restarted.sessions[sid].owner == f"tenant-{i % 2}"
-        assert restarted.session_tokens(sid, owner=_owner(restarted, sid)) == history[sid]  # the turn in flight left no trace
+        assert restarted.session_tokens(sid, owner=owner_of(restarted, sid)) == history[sid]  # the turn in flight left no trace
     after, _ = converse(restarted, turns, sids=sids, rounds=[3])
     diff = max_logit_diff(rec_ref, rec, dict(zip(sids, sids_ref)))
     print(f"\nrestart: {len(sids)} sessions rebuilt by replaying {restarted.stats['rebuild_forwards']} forwards; "
           f"max |logit diff| of the next turn vs never restarted {diff:.2e}")
     assert [a[0] for a in after] == [w[3] for w in want] and diff < 1e-4
-    assert all(restarted.session_info(s, owner=_owner(restarted, s))["last_resume"]["path"] == "rebuild" for s in sids)
+    assert all(restarted.session_info(s, owner=owner_of(restarted, s))["last_resume"]["path"] == "rebuild" for s in sids)
 
     # closing and resetting are stored too; another KV policy does not load these sessions
-    restarted.close_session(sids[0], owner=_owner(restarted, sids[0]))
-    restarted.reset_session(sids[1], owner=_owner(restarted, sids[1]))
+    restarted.close_session(sids[0], owner=owner_of(restarted, sids[0]))
+    restarted.reset_session(sids[1], owner=owner_of(restarted, sids[1]))
     restarted.close()
     again = Engine(EngineConfig(**BASE, max_rows=8, session_db=db), tiny_loaded(0))
-    assert set(again.sessions) == set(sids[1:]) and again.session_tokens(sids[1], owner=_owner(again, sids[1])) == []
-    assert again.session_tokens(sids[2], owner=_owner(again, sids[2])) == history[sids[2]] + turns[2][3][0] + after[2][0]
+    assert set(again.sessions) == set(sids[1:]) and again.session_tokens(sids[1], owner=owner_of(again, sids[1])) == []
+    assert again.session_tokens(sids[2], owner=owner_of(again, sids[2])) == history[sids[2]] + turns[2][3][0] + after[2][0]
     assert len(again.sessions) == 3
     again.close()
     other = Engine(EngineConfig(**{**BASE, "kv_window": 6}, max_rows=8, session_db=db), tiny_loaded(0))
@@ -167,16 +118,16 @@ def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path)
     out, _ = converse(engine, turns, sids=[broken, fine], rounds=[1])
     assert all(len(o[0]) == t[1][1] for o, t in zip(out, turns))  # both turns completed
     assert engine.stats["session_db_errors"] == 1
-    assert not engine.session_info(broken, owner=_owner(engine, broken))["durable"] and engine.session_info(fine, owner=_owner(engine, fine))["durable"]
-    assert len(engine.session_tokens(broken, owner=_owner(engine, broken))) == engine.session_info(broken, owner=_owner(engine, broken))["history_tokens"]
+    assert not engine.session_info(broken, owner=owner_of(engine, broken))["durable"] and engine.session_info(fine, owner=owner_of(engine, fine))["durable"]
+    assert len(engine.session_tokens(broken, owner=owner_of(engine, broken))) == engine.session_info(broken, owner=owner_of(engine, broken))["history_tokens"]
     engine.sessions.db.create = lambda *a: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
     with pytest.raises(EngineError) as err:
         engine.create_session()
     assert err.value.code == "session_store_unavailable" and len(engine.sessions) == 2
     engine.check_invariants()
     # after a restart the session whose transcript missed a turn is gone, not half restored
-    kept = engine.session_tokens(fine, owner=_owner(engine, fine))
+    kept = engine.session_tokens(fine, owner=owner_of(engine, fine))
     engine.close()
     restarted = Engine(EngineConfig(**BASE, max_rows=4, session_db=db), tiny_loaded(0))
     assert set(restarted.sessions) == {fine}
-    assert restarted.session_tokens(fine, owner=_owner(restarted, fine)) == kept
+    assert restarted.session_tokens(fine, owner=owner_of(restarted, fine)) == kept

@@ -6,30 +6,13 @@ import pytest
 
 from engine import Engine, EngineConfig, Request
 from tests.helpers import greedy, tiny_loaded
-
-
-def converse(engine, turns, rng_seed=0):
-    """All sessions submit turn r together, round after round; returns each session's outputs."""
-    sids = [engine.create_session() for _ in turns]
-    out = {sid: [] for sid in sids}
-    for r in range(len(turns[0])):
-        got = {sid: [] for sid in sids}
-        for sid, t in zip(sids, turns):
-            engine.add_request(Request(f"{sid}-{r}", t[r], greedy(5), session_id=sid))
-        while engine.has_work():
-            for o in engine.step():
-                assert o.error is None, o.error
-                got[o.request_id.rsplit("-", 1)[0]].extend(o.new_token_ids)
-            engine.check_invariants()
-        for sid in sids:
-            out[sid].append(got[sid])
-    return [out[sid] for sid in sids], sids
+from tests.scenarios import converse, owner_of
 
 
 @pytest.mark.parametrize("policy", ["s5", "native"])
 def test_swapped_rows_come_back_exactly(policy):
     rng = random.Random(3)
-    turns = [[[rng.randrange(3, 512) for _ in range(rng.randrange(2, 30))] for _ in range(4)] for _ in range(5)]
+    turns = [[([rng.randrange(3, 512) for _ in range(rng.randrange(2, 30))], 5) for _ in range(4)] for _ in range(5)]
     base = dict(model="tiny-random", kv_policy=policy, kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
                 max_num_batched_tokens=32)
     roomy = Engine(EngineConfig(**base, max_rows=8), tiny_loaded(0))
@@ -40,10 +23,10 @@ def test_swapped_rows_come_back_exactly(policy):
           f"{roomy.stats['swaps_out']} in the roomy engine")
     assert roomy.stats["swaps_out"] == 0 and tight.stats["swaps_out"] >= 10 and tight.stats["swaps_in"] >= 10
     assert got == want
-    states = {tight.session_info(s)["state"] for s in sids}
-    assert "swapped" in states and tight.sessions.swapped_bytes == sum(tight.session_info(s)["host_kv_bytes"] for s in sids)
+    states = {tight.session_info(s, owner=owner_of(tight, s))["state"] for s in sids}
+    assert "swapped" in states and tight.sessions.swapped_bytes == sum(tight.session_info(s, owner=owner_of(tight, s))["host_kv_bytes"] for s in sids)
     for s in sids:
-        tight.close_session(s)
+        tight.close_session(s, owner=owner_of(tight, s))
     assert tight.sessions.swapped_bytes == 0
     tight.check_invariants()
 

@@ -8,7 +8,7 @@ import torch
 
 from engine import Engine, EngineConfig, Request
 from engine.model.loader import LoadedModel, tiny_random_model
-from tests.equivalence.test_s5_oracle import check_against_oracle, run_sessions
+from tests.scenarios import Recorder, check_against_oracle, check_turns_with_stops, converse, run_sessions
 from tests.helpers import greedy, hf_greedy, run_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -60,8 +60,6 @@ def test_cuda_native_equals_hf_generate_64_steps():
 def test_cuda_long_prefill_chunks_equal_the_cpu_engine(policy):
     """Chunks over attention.QUERY_BLOCK tokens attend in one masked call on CUDA and by query
     blocks on the CPU: float32, the same greedy tokens, logits to float rounding."""
-    from tests.engine.test_resume import Recorder
-
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (700, 300, 9)]
     outs, recs = {}, {}
@@ -351,10 +349,8 @@ def test_cuda_device_sampler_is_seeded_and_top_k_1_is_greedy():
 def test_cuda_swapped_and_rebuilt_rows_come_back_exactly(swap_bytes):
     """Through captured decode graphs: 5 sessions x 4 turns through 2 rows, rows moved to host
     memory (or given up and rebuilt by replay), give the tokens of 8 rows that never left."""
-    from tests.engine.test_swap import converse
-
     rng = random.Random(3)
-    turns = [[[rng.randrange(3, 512) for _ in range(rng.randrange(2, 30))] for _ in range(4)] for _ in range(5)]
+    turns = [[([rng.randrange(3, 512) for _ in range(rng.randrange(2, 30))], 5) for _ in range(4)] for _ in range(5)]
     model = tiny_random_model(0).cuda()
     base = dict(model="tiny-random", device="cuda", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
                 max_num_batched_tokens=32)
@@ -506,7 +502,6 @@ def compare_tiny_engines(family: str, dtype, policy: str, knob: str, check) -> t
     one with it False, over 4 greedy requests of 48 tokens joining at different steps: (tokens
     equal before each row's first difference, tokens in all, max |logit diff| over the steps both
     recorded). `check(engine, value)` must hold for each engine."""
-    from tests.engine.test_resume import Recorder
     from tests.helpers import tiny_gemma4
 
     rng = random.Random(5)
@@ -556,8 +551,6 @@ def test_cuda_overlap_equals_plain_order(policy):
     and K/V to float rounding, through turns that end by a stop token one step before the host
     knew (the extra step is undone: its ring stores put back from what the kernel kept) and
     aborted turns. A slot undone wrongly would hold another token's K/V, off by O(1)."""
-    from tests.engine.test_overlap import check_turns_with_stops
-
     seen = check_turns_with_stops("cuda", policy, sessions=1, stateless=0, rounds=20, atol=1e-4)
     print(policy, seen)
     assert seen["undone_session_rows"] >= 2 and seen["stopped_mid"] >= 1

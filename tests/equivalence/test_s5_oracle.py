@@ -4,80 +4,10 @@ import random
 
 import pytest
 
-from engine import Engine, EngineConfig, Request
+from engine import Engine, EngineConfig
 from engine.model.loader import LoadedModel
-from tests.helpers import greedy, oracle_logits, tiny_loaded, tiny_reference
-
-
-class Recorder:
-    def __init__(self):
-        self.logits = {}  # (rid, pos) -> logits
-
-    def __call__(self, rid, pos, logits):
-        self.logits[(rid, pos)] = logits.clone()
-
-
-def run_sessions(engine, turns_per_session, rng, max_tokens=6, stagger=True):
-    """Drives several sessions through multi-turn conversations, interleaved in one engine.
-    Returns {sid: (tokens, forward_starts, [request ids])}."""
-    rec = Recorder()
-    engine.logits_hook = rec
-    sids = [engine.create_session() for _ in turns_per_session]
-    queue = {sid: list(turns) for sid, turns in zip(sids, turns_per_session)}
-    starts = {sid: [] for sid in sids}
-    rids = {sid: [] for sid in sids}
-    inflight = {}
-    step = 0
-    vocab = engine.geometry.vocab_size
-    while any(queue.values()) or inflight or engine.has_work():
-        for sid in sids:
-            if sid in inflight or not queue[sid]:
-                continue
-            if stagger and rng.random() < 0.5:
-                continue
-            n = queue[sid].pop(0)
-            hist = engine.session_tokens(sid)
-            kv = engine.session_info(sid)["kv_tokens"]
-            prompt = [rng.randrange(3, vocab) for _ in range(n)]
-            rid = f"{sid}-{len(rids[sid])}"
-            engine.add_request(Request(rid, prompt, greedy(max_tokens), session_id=sid))
-            feed = len(hist) - kv + n
-            fs = starts[sid][:kv]
-            fs += range(len(fs), kv)  # the previous turn's decoded tokens: a forward each
-            starts[sid] = fs + [kv] * feed
-            inflight[sid] = rid
-            rids[sid].append(rid)
-        for o in engine.step():
-            sid = o.request_id.rsplit("-", 1)[0]
-            if o.finished:
-                del inflight[sid]
-            elif o.new_token_ids:
-                pass
-        step += 1
-        assert step < 10_000
-    out = {}
-    for sid in sids:
-        toks = engine.session_tokens(sid)
-        fs = starts[sid]
-        while len(fs) < len(toks):
-            fs.append(len(fs))  # each decoded token is a forward of its own
-        out[sid] = (toks, fs, rids[sid])
-    engine.check_invariants()
-    return out, rec
-
-
-def check_against_oracle(engine, ref_model, results, rec, policy, sink, window, atol):
-    worst = 0.0
-    n = 0
-    for sid, (toks, fs, rids) in results.items():
-        ref = oracle_logits(ref_model, toks, fs, policy, sink, window)
-        for (rid, pos), lg in rec.logits.items():
-            if rid in rids:
-                worst = max(worst, (lg - ref[pos]).abs().max().item())
-                n += 1
-    assert n > 0
-    assert worst < atol, f"{policy}: max |logit diff| {worst} over {n} steps"
-    return worst, n
+from tests.helpers import tiny_loaded, tiny_reference
+from tests.scenarios import check_against_oracle, run_sessions
 
 
 @pytest.mark.parametrize("policy", ["s5", "sink-window", "native", "full"])
