@@ -2,7 +2,8 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b]
+# regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -48,6 +49,17 @@ case "${2:-}" in
     shape=gemma3-1b; [ "$2" = serve-4b ] && shape=gemma3-4b
     python3 -m bench.serve --shape $shape ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda --dtype bfloat16 \
       --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 --out "$OUT" --tag served ;;
+  regress)  # this tree against BEFORE (a directory holding an earlier tree), the engine alone, same run
+    run_tests
+    for shape in gemma3-1b gemma3-4b; do
+      for side in before after; do
+        dir=.; [ $side = before ] && dir="$BEFORE"
+        (cd "$dir" && python3 -m bench.throughput --shape $shape --dtype bfloat16 --policies s5 --n 1 64 \
+          --no-quality --out "$OUT/$side" --tag $side)
+      done
+      python3 -m bench.compare_runs --before "$OUT"/before/throughput-cuda-$shape-*.json \
+        --after "$OUT"/after/throughput-cuda-$shape-*.json --out "$OUT"
+    done ;;
   full)
     run_tests
     python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 8 64 256 --hf-static --out "$OUT"
