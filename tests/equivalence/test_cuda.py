@@ -529,15 +529,31 @@ def compare_tiny_engines(family: str, dtype, policy: str, knob: str, check) -> t
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
-def test_cuda_pdl_launches_change_nothing(family):
+def test_cuda_pdl_launches_change_nothing(family, monkeypatch):
     """Kernels launched with programmatic dependent launch (the default on Hopper) against plain
     launches, on captured graphs: each PDL kernel waits for its predecessor before touching what
     it writes, so tokens and logits are those of plain launches (a kernel that read or wrote too
-    early would race with the one before it and show here as wrong logits)."""
-    from engine.kernels import launch
+    early would race with the one before it and show here as wrong logits). The `gemv` launch
+    settings are timed when a fused forward is built, and two builds can time different winners
+    (which round differently in bfloat16): both engines here take the first build's plans, so
+    they differ in the launch mode alone."""
+    from engine.kernels import launch, small_linear
+    from engine.model import fused_forward, fused_gemma4
+
+    plans = {}
+
+    def plan_once(weights, rows=small_linear.GEMV_ROWS, pdl_for=None):
+        key = (tuple(weights[0].shape), weights[0].dtype, len(weights), rows)
+        if key not in plans:
+            plans[key] = small_linear.plan_gemv(weights, rows, pdl_for)
+        return plans[key]
+
+    for module in (fused_forward, fused_gemma4):
+        monkeypatch.setattr(module, "plan_gemv", plan_once)
 
     assert launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
     for dtype in (torch.float32, torch.bfloat16):
+        plans.clear()
         prefix, total, diff = compare_tiny_engines(family, dtype, "s5", "pdl", check=lambda engine, pdl: (
             engine.runner.pdl == pdl and engine.runner.fused is not None and engine.runner.fused.pdl == pdl))
         print(f"{family} {dtype}: {prefix}/{total} tokens equal; max |logit diff| {diff:.2e}")
