@@ -48,10 +48,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Layer:
+class LayerWeights:
+    """One decoder layer's weights as the fused forwards of Gemma 3 and Gemma 4 read them."""
+
     index: int
     layer_type: str
-    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden] (Gemma 4 without a V projection: [(H + Hkv) D, hidden])
     wo: torch.Tensor
     wgu: torch.Tensor  # [2 I, hidden]
     wd: torch.Tensor
@@ -64,10 +66,26 @@ class _Layer:
     heads: int
     kv_heads: int
     scaling: float
+
+
+def layer_weights(index: int, layer, layer_type: str, qkv: list[nn.Linear], heads: int, kv_heads: int) -> dict:
+    """`LayerWeights`' fields from a stock Gemma decoder layer; `qkv`: its Q, K (and V) projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return dict(
+        index=index, layer_type=layer_type, wqkv=fuse_rows(qkv), wo=attn.o_proj.weight,
+        wgu=fuse_rows([mlp.gate_proj, mlp.up_proj]), wd=mlp.down_proj.weight,
+        in_norm=layer.input_layernorm.weight, post_attn=layer.post_attention_layernorm.weight,
+        pre_ff=layer.pre_feedforward_layernorm.weight, post_ff=layer.post_feedforward_layernorm.weight,
+        q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, heads=heads, kv_heads=kv_heads,
+        scaling=float(attn.scaling))
+
+
+@dataclass(frozen=True)
+class _Layer(LayerWeights):
     softcap: float | None
 
 
-def _plain_linear(m) -> bool:
+def plain_linear(m) -> bool:
     """A bias-free linear whose weight is all there is to it (also the stock path's CUDA
     substitute for small batches, which computes the same product)."""
     return (type(m) is nn.Linear and m.bias is None) or type(m) is SmallBatchLinear
@@ -92,7 +110,7 @@ def unsupported(model) -> str | None:
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(_plain_linear(m) and m.weight.dtype == dtype for m in linears):
+        if not all(plain_linear(m) and m.weight.dtype == dtype for m in linears):
             return "projections are not plain bias-free linears of the model's dtype (quantized?)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
@@ -136,7 +154,7 @@ def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Te
     return out
 
 
-def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
+def fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
     """One [sum(out), in] weight; each linear's weight becomes a view of its rows."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0)
     lo = 0
@@ -166,6 +184,12 @@ class FusedDecoder:
         dtype = base.embed_tokens.weight.dtype
         with torch.inference_mode():
             self.rope = _rope_angles(self.rotary, self.layer_types, dtype, base.embed_tokens.weight.device)
+        with torch.no_grad():
+            self.layers = [self._layer(i, layer, cfg) for i, layer in enumerate(base.layers)]
+
+    def _layer(self, index: int, layer, cfg) -> LayerWeights:
+        """The family's weights of one stock decoder layer."""
+        raise NotImplementedError
 
     def pdl_for(self, tokens: int) -> bool:
         """Whether a forward (or product) of `tokens` tokens launches its kernels with PDL."""
@@ -183,26 +207,11 @@ class FusedDecoder:
 
 
 class FusedGemma3(FusedDecoder):
+    layers: list[_Layer]
+
     @torch.no_grad()
     def __init__(self, model, pdl: bool = False) -> None:
         super().__init__(model, pdl)
-        base = model.get_decoder()
-        cfg = base.config
-        self.layers: list[_Layer] = []
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                index=i, layer_type=cfg.layer_types[i],
-                wqkv=_fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
-                wo=attn.o_proj.weight,
-                wgu=_fuse_rows([mlp.gate_proj, mlp.up_proj]),
-                wd=mlp.down_proj.weight,
-                in_norm=layer.input_layernorm.weight, post_attn=layer.post_attention_layernorm.weight,
-                pre_ff=layer.pre_feedforward_layernorm.weight, post_ff=layer.post_feedforward_layernorm.weight,
-                q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
-                heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                scaling=float(attn.scaling), softcap=attn.attn_logit_softcapping,
-            ))
         for a, b in zip(self.layers, self.layers[1:]):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
@@ -211,6 +220,12 @@ class FusedGemma3(FusedDecoder):
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})
+
+    def _layer(self, index: int, layer, cfg) -> _Layer:
+        attn = layer.self_attn
+        common = layer_weights(index, layer, cfg.layer_types[index], [attn.q_proj, attn.k_proj, attn.v_proj],
+                               cfg.num_attention_heads, cfg.num_key_value_heads)
+        return _Layer(**common, softcap=attn.attn_logit_softcapping)
 
     def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
         cfg = self.plans[name].get(x.shape[0])

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import hf_adapter
-from engine.model.fused_forward import FusedDecoder, _fuse_rows, _plain_linear
+from engine.model.fused_forward import FusedDecoder, LayerWeights, layer_weights, plain_linear
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import fused_ops, moe
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
@@ -56,24 +56,9 @@ class _Experts:
 
 
 @dataclass(frozen=True)
-class _Layer:
-    index: int
-    layer_type: str
-    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden], or [(H + Hkv) D, hidden] with v_from_k
-    wo: torch.Tensor
-    wgu: torch.Tensor  # [2 I, hidden]
-    wd: torch.Tensor
-    in_norm: torch.Tensor
-    post_attn: torch.Tensor
-    pre_ff: torch.Tensor
-    post_ff: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+class _Layer(LayerWeights):
     scalar: torch.Tensor  # [1]
-    heads: int
-    kv_heads: int
-    v_from_k: bool
-    scaling: float
+    v_from_k: bool  # the layer has no V projection (wqkv holds Q and K)
     experts: _Experts | None
 
 
@@ -104,7 +89,7 @@ def unsupported(model) -> str | None:
             return "layers that share another layer's K/V"
         linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         linears += [attn.v_proj] if attn.v_proj is not None else []
-        if not all(_plain_linear(m) and m.weight.dtype == dtype for m in linears):
+        if not all(plain_linear(m) and m.weight.dtype == dtype for m in linears):
             return "projections are not plain bias-free linears of the model's dtype (quantized?)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
@@ -112,7 +97,7 @@ def unsupported(model) -> str | None:
             norms += [layer.post_feedforward_layernorm_1, layer.post_feedforward_layernorm_2,
                       layer.pre_feedforward_layernorm_2]
             ex, router = layer.experts, layer.router
-            if not (_plain_linear(router.proj) and _norm_with(router.norm, False)
+            if not (plain_linear(router.proj) and _norm_with(router.norm, False)
                     and isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)
                     and ex.gate_up_proj.dtype == dtype and ex.gate_up_proj.dim() == 3):
                 return "experts or router of another form (quantized?)"
@@ -153,24 +138,11 @@ def _experts(layer) -> _Experts | None:
 
 
 class FusedGemma4(FusedDecoder):
+    layers: list[_Layer]
+
     @torch.no_grad()
     def __init__(self, model, pdl: bool = False) -> None:
         super().__init__(model, pdl)
-        base = model.get_decoder()
-        cfg = base.config
-        self.layers: list[_Layer] = []
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
-            self.layers.append(_Layer(
-                index=i, layer_type=cfg.layer_types[i], wqkv=_fuse_rows(qkv), wo=attn.o_proj.weight,
-                wgu=_fuse_rows([mlp.gate_proj, mlp.up_proj]), wd=mlp.down_proj.weight,
-                in_norm=layer.input_layernorm.weight, post_attn=layer.post_attention_layernorm.weight,
-                pre_ff=layer.pre_feedforward_layernorm.weight, post_ff=layer.post_feedforward_layernorm.weight,
-                q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, scalar=layer.layer_scalar,
-                heads=attn.q_proj.out_features // attn.head_dim, kv_heads=attn.k_proj.out_features // attn.head_dim,
-                v_from_k=attn.v_proj is None, scaling=float(attn.scaling), experts=_experts(layer),
-            ))
         # per projection and weight shape (full and sliding layers differ), the row counts where
         # one gemv kernel reads the weight faster than the library's product
         groups: dict[tuple, list[torch.Tensor]] = {}
@@ -249,6 +221,13 @@ class FusedGemma4(FusedDecoder):
             return f"{type(exc).__name__}: {exc}"
         bad = {k: f"{v:.1e}" for k, v in worst.items() if not v < tol}
         return f"relative error over {tol}: {bad}" if bad else None
+
+    def _layer(self, index: int, layer, cfg) -> _Layer:
+        attn = layer.self_attn
+        qkv = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
+        common = layer_weights(index, layer, cfg.layer_types[index], qkv, attn.q_proj.out_features // attn.head_dim,
+                               attn.k_proj.out_features // attn.head_dim)
+        return _Layer(**common, scalar=layer.layer_scalar, v_from_k=attn.v_proj is None, experts=_experts(layer))
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])
