@@ -264,8 +264,8 @@ if triton is not None:
 def launch_for(paged: bool, batch: int, kv_heads: int) -> dict:
     """The partial kernel's launch for `batch` rows of `kv_heads` K/V heads: splits (at most),
     keys per iteration, warps, stages. Measured on an H200 with `python -m bench.tune_kernels`
-    (Gemma-3 1B and 4B shapes, rows of ~1,238 tokens, 1 to 256 rows; the results file is
-    bench/results/tune-kernels-cuda-2026-11-30.json): within 6% of the best launch found per case,
+    (Gemma-3 1B and 4B shapes, rows of ~1,238 tokens, 1 to 256 rows; docs/performance.md has the
+    table): within 6% of the best launch found per case,
     against up to 2x slower for one launch everywhere.
       ring   few programs: 16-key blocks, one split per block (a ring is only a few blocks);
              many: one 32-key program per (row, head), three stages

@@ -15,9 +15,8 @@ launch and prologue with the end of this one. A kernel after one that was not la
 (a library matrix product) just waits for it as usual.
 
 It pays only for small forwards, and where it stops paying depends on the model's width. On an
-H200 (decode-1238, random-weight Gemma-3 shapes, both ways in one run each,
-bench/results/throughput-cuda-gemma3-{1b,4b}-2026-12-01-pdl*.json), decode with PDL against plain
-launches ran
+H200 (decode-1238, random-weight Gemma-3 shapes, both ways in one run each; docs/performance.md,
+"PDL on and off"), decode with PDL against plain launches ran
   1B (hidden 1152): +11% at 1 row, +11% at 2, +10% at 4, +5% at 8, +1% at 16, -8% at 32, -6% at 64
   4B (hidden 2560): +4% at 1 row, +3% at 2, +1% at 4, -2% at 8 (twice), -1% at 64
 so a forward launches with PDL while its hidden states are at most `MAX_ACTIVATIONS` values

@@ -196,8 +196,8 @@ def router_topk(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
 
 
 # launch shapes for Gemma-4 26B-A4B experts (hidden 2816, 704 per expert): the fastest on an H200
-# at 1 and 8 tokens (bench/results/tune-kernels-cuda-2026-12-01-moe.json; the split down stage
-# beat the fused one by 1-4% at both)
+# at 1 and 8 tokens (`python -m bench.tune_kernels --experts`; the split down stage beat the fused
+# one by 1-4% at both)
 GATE_UP = dict(block_n=4, block_k=1024, warps=2)
 DOWN = dict(block_n=8, block_k=256, warps=4, split=True)  # split: per pair, then a sum per token
 
@@ -208,7 +208,7 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
     """See `experts_ref` (CUDA, up to MAX_TOKENS tokens). The launches default to GATE_UP and
     DOWN (`python -m bench.tune_kernels --experts` times others). The pairs' programs run in
     token order: sorted by expert (pairs sharing an expert side by side) was 10% slower at 8
-    tokens on an H200, the sort included (tune-kernels-cuda-2026-12-01-moe-ordered.json)."""
+    tokens on an H200, the sort included."""
     GU, DN = gate_up_launch or GATE_UP, down_launch or DOWN
     T, k = experts_idx.shape
     E, two_i, H = gate_up.shape
