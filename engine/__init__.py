@@ -27,6 +27,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       hf_adapter.py    the stock transformers forward with the engine's attention
       fused_forward.py the engine's own Gemma 3 layer forward: fused weights, elementwise kernels
       fused_gemma4.py  the same for Gemma 4 (dense or mixture of experts)
+      kernel_check.py  the Gemma 4 kernels against their references on a model's weights (CUDA)
       quant.py         int8 linear layers for the CPU (module substitution)
     kernels/         q8_matmul.c (CPU int8), decode_attention / fused_ops / moe / rmsnorm /
                      small_linear (Triton), launch (programmatic dependent launch)

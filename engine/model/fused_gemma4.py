@@ -33,8 +33,9 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.model.fused_forward import FusedDecoder, LayerWeights, layer_weights, plain_linear
+from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
-from engine.kernels import fused_ops, moe
+from engine.kernels import moe
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
 from engine.kernels.small_linear import gemv, plan_gemv
 
@@ -115,7 +116,7 @@ def build(model, pdl: bool = False) -> FusedGemma4 | None:
     why = unsupported(model)
     if why is None:
         fused = FusedGemma4(model, pdl)
-        why = fused.kernels_disagree()
+        why = gemma4_kernels_disagree(fused)
         if why is None:
             return fused
         why = f"the Gemma 4 kernels disagree with their references here ({why})"
@@ -155,72 +156,6 @@ class FusedGemma4(FusedDecoder):
         self.plans = {key: plan_gemv(ws, pdl_for=self.pdl_for) for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
-
-    @torch.no_grad()
-    def kernels_disagree(self) -> str | None:
-        """On CUDA, each Gemma 4 kernel against its torch reference on this model's own weights
-        (a full and a sliding layer, decode batches of 1 and 8 rows): what disagrees or fails to
-        compile, else None. `build` keeps the stock forward where this finds something."""
-        if not fused_ops._use_triton(self.embed.weight):  # the torch path: the references themselves
-            return None
-        g = torch.Generator(device=self.embed.weight.device).manual_seed(0)
-        dtype = self.embed.weight.dtype
-        eps, tol = self.eps, (2e-2 if dtype != torch.float32 else 1e-4)
-        worst: dict[str, float] = {}
-
-        def compare(name, got, want):
-            for a, b in zip(got, want):
-                err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                worst[name] = max(worst.get(name, 0.0), err)
-
-        try:
-            for L in {L.layer_type: L for L in self.layers}.values():
-                for T in (1, 8):
-                    pdl = self.pdl_for(T)  # the kernels as a forward of T tokens launches them
-
-                    def rnd(n, scale=1.0):
-                        return (torch.randn(T, n, device=g.device, generator=g) * scale).to(dtype)
-
-                    hidden = L.wo.shape[0]
-                    h, y = rnd(hidden, 3.0), rnd(hidden)
-                    X = L.experts
-                    also = () if X is None else (X.pre_norm, X.router_in)
-                    compare("add_rmsnorm", add_rmsnorm(h.clone(), y, L.post_attn, L.pre_ff, eps, 0.0, also, pdl),
-                            fused_ops.add_rmsnorm_ref(h, y, L.post_attn, L.pre_ff, eps, 0.0, also))
-                    qkv = rnd(L.wqkv.shape[0])
-                    pos = torch.randint(0, 32768, (T,), device=g.device, generator=g)
-                    if self.rope is None:
-                        cos, sin = self.rotary(qkv, pos[None], L.layer_type)
-                        tables = (cos[0], sin[0])
-                        got = qk_norm_rope(qkv.clone(), L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0,
-                                           True, L.v_from_k, pdl)
-                    else:
-                        inv, scaling = self.rope[L.layer_type]
-                        tables = fused_ops.rope_tables(pos, inv, scaling, dtype)
-                        got = qk_norm_rope_at(qkv.clone(), L.q_norm, L.k_norm, pos, inv, scaling, L.heads,
-                                              L.kv_heads, eps, 0.0, True, L.v_from_k, pdl)
-                    compare("qk_norm_rope", got, fused_ops.qk_norm_rope_ref(
-                        qkv, L.q_norm, L.k_norm, *tables, L.heads, L.kv_heads, eps, 0.0, True, L.v_from_k))
-                    d, e = rnd(hidden), rnd(hidden)
-                    args = (L.post_ff, L.scalar, self.final_norm, eps)
-                    if X is None:
-                        compare("layer_out", layer_out(h.clone(), d, None, None, None, *args, pdl=pdl),
-                                fused_ops.layer_out_ref(h, d, None, None, None, *args))
-                        continue
-                    compare("layer_out", layer_out(h.clone(), d, e, X.post_mlp, X.post_norm, *args, pdl=pdl),
-                            fused_ops.layer_out_ref(h, d, e, X.post_mlp, X.post_norm, *args))
-                    logits = torch.randn(T, X.router.shape[0], device=g.device, generator=g)
-                    w, idx = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
-                    w_ref, idx_ref = moe.router_topk_ref(logits, X.top_k, X.per_expert_scale)
-                    if not torch.equal(idx.long().sort(1).values, idx_ref.sort(1).values):
-                        return "router_topk chose other experts than its reference"
-                    x = rnd(hidden)[:2]  # the reference holds float32 copies of each pair's weights
-                    compare("experts", [moe.experts(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
-                            [moe.experts_ref(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
-        except Exception as exc:  # a kernel that does not compile or launch here
-            return f"{type(exc).__name__}: {exc}"
-        bad = {k: f"{v:.1e}" for k, v in worst.items() if not v < tol}
-        return f"relative error over {tol}: {bad}" if bad else None
 
     def _layer(self, index: int, layer, cfg) -> _Layer:
         attn = layer.self_attn
