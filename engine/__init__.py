@@ -24,6 +24,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
     model/           weights and the forwards that run them
       loader.py        a model spec ("embedded", a path, an id, "tiny-random") to weights
+      prepare.py       every change the engine makes to a loaded model, and the forward it runs
       hf_adapter.py    the stock transformers forward with the engine's attention
       fused_forward.py the engine's own Gemma 3 layer forward: fused weights, elementwise kernels
       fused_gemma4.py  the same for Gemma 4 (dense or mixture of experts)

@@ -9,13 +9,11 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.model import fused_forward, fused_gemma4, hf_adapter
+from engine.model.prepare import prepare
 from engine.runner.attention import ForwardChunk, StepAttention
 from engine.runner.decode_graph import GraphDecoder, GreedyFetch
 from engine.runner.sampler import sample_tokens
 from engine.kernels import launch
-from engine.kernels.rmsnorm import fuse_norms
-from engine.kernels.small_linear import substitute_linears
 from engine.kv.rows import RowPool
 from engine.core.types import SamplingParams, StepLogits
 
@@ -27,31 +25,6 @@ log = logging.getLogger(__name__)
 # time; on an H200 that planning took 2 s of host time per 2,048-token prefill step of Gemma-3 4B
 # (measured with `bench.profile_decode --prefill`), 20x the step's device time.
 EAGER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def stock_experts_capturable(model) -> bool:
-    """The stock layers of a mixture-of-experts model on CUDA: transformers' default experts loop
-    reads each expert's token count on the host, which a CUDA graph cannot capture; torch's
-    grouped product reads none in bfloat16, so the model is switched to it. In other dtypes the
-    grouped product copies its offsets to the host too, and decode steps run uncaptured (False)."""
-    experts = [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-               and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
-    if not experts:
-        return True
-    if experts[0].gate_up_proj.dtype != torch.bfloat16 or not hasattr(model, "set_experts_implementation"):
-        log.info("stock experts in %s: decode steps run uncaptured", experts[0].gate_up_proj.dtype)
-        return False
-    model.set_experts_implementation("grouped_mm")
-    return True
-
-
-def stock_forward(model, layer_kinds: frozenset[str]):
-    """The stock transformers forward with the engine's attention, as the runner calls a forward."""
-
-    def forward(input_ids, positions, step, logits_index) -> torch.Tensor:
-        return hf_adapter.forward(model, input_ids, positions, step, logits_index, layer_kinds)
-
-    return forward
 
 
 class RunnerInput(NamedTuple):
@@ -71,18 +44,10 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.device
-        hf_adapter.use_row_attention(model)
-        self.layer_kinds = frozenset(hf_adapter.geometry(model).layer_types)
         self.pdl = pdl and launch.supported(self.device)
-        self.fused = None
-        if fused:  # the engine's own forward for the model's family, where it takes the model
-            gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
-            self.fused = (fused_gemma4 if gemma4 else fused_forward).build(model, self.pdl)
-        self.forward = self.fused.forward if self.fused is not None else stock_forward(model, self.layer_kinds)
-        if self.fused is None and self.device.type == "cuda":  # module substitutions, each checked or measured
-            self.fused_norms = fuse_norms(model)
-            self.small_linears = substitute_linears(model)
-            capture = capture and stock_experts_capturable(model)
+        prepared = prepare(model, self.device, fused, self.pdl)
+        self.forward, self.fused = prepared.forward, prepared.fused
+        capture = capture and prepared.capturable
         self.decoder = None
         if static_decode:  # the decoder gets what it calls, never the runner: no reference cycle
             hidden = model.get_input_embeddings().weight.shape[1]
