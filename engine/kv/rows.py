@@ -285,6 +285,34 @@ class RowPool:
         vs = [self.v[i][ring].cpu() for i in self.ring_layers] + [self.v[i][slots].cpu() for i in self.paged_layers]
         return kv_len, self.ring_pos[row].tolist(), ks, vs
 
+    # ---- a layer's K/V, for the step's attention ---------------------------------------------------
+    def store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V storage [slots, Hkv, D], for kernels that index it by slot themselves
+        (the static decode step's attention reads and stores through slots it is given)."""
+        return self.k[layer], self.v[layer]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` [B, L] -> [B, L, Hkv, D] each; index_select copies whole slots and ran
+        ~5x faster than advanced indexing for these shapes on the CPU."""
+        flat = slots.reshape(-1)
+        return (self.k[layer].index_select(0, flat).unflatten(0, slots.shape),
+                self.v[layer].index_select(0, flat).unflatten(0, slots.shape))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V [n, Hkv, D] at `slots` [n]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def staged_kv(self, row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V [n, Hkv, D] the row's open forward staged on a staged ring layer, if any."""
+        st = self._rows[row].staging
+        return (st.k[layer], st.v[layer]) if st is not None and layer in st.k else None
+
+    def staged_span(self, row: int) -> tuple[int, int] | None:
+        """(first position, tokens) the row's open forward has staged, or None (nothing staged)."""
+        st = self._rows[row].staging if self.staged else None
+        return (st.start, st.num_tokens) if st is not None and st.num_tokens > 0 else None
+
     # ---- reads for the step ---------------------------------------------------------------------
     def row(self, row: int) -> RowState:
         return self._rows[row]

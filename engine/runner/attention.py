@@ -107,8 +107,7 @@ class StepAttention:
         gather, key_pos = {}, {}
         staged_rows: list[int | None] = []
         for c in chunks:
-            st = pool.row(c.row).staging if pool.staged else None
-            staged_rows.append(c.row if st is not None and st.num_tokens > 0 else None)
+            staged_rows.append(c.row if pool.staged_span(c.row) is not None else None)
         for paged in {p for p, _ in classes}:
             slots, pos = self._resident(chunks, paged)
             extra = []
@@ -188,11 +187,11 @@ class StepAttention:
                 if ring_survives(p, end, pool.sink, pool.window):
                     rw_slots.append(base + ring_slot(p, pool.sink, pool.window))
                     rw_src.append(off + t)
-            st = pool.row(c.row).staging if pool.staged else None
-            if st is not None and st.num_tokens > 0:
+            span = pool.staged_span(c.row)
+            if span is not None:
                 slots, idx = [], []
-                for j in range(st.num_tokens):
-                    p = st.start + j
+                for j in range(span[1]):
+                    p = span[0] + j
                     if ring_survives(p, end, pool.sink, pool.window):
                         slots.append(base + ring_slot(p, pool.sink, pool.window))
                         idx.append(j)
@@ -216,7 +215,6 @@ class StepAttention:
         """Attention output [1, T_total, H, D] for `layer`; then stores the new K/V."""
         pool = self.pool
         lay = pool.layouts[layer]
-        store_k, store_v = pool.k[layer], pool.v[layer]
         k_new = key[0].transpose(0, 1)  # [T_total, Hkv, D]
         v_new = value[0].transpose(0, 1)
         q_all = query[0]  # [H, T_total, D]
@@ -225,17 +223,16 @@ class StepAttention:
         outs = []
         for g in self.groups:
             slots = g.gather[lay.paged]
+            k, v = pool.gather(layer, slots)  # [B, L_res, Hkv, D]
             if lay.paged:
-                k = _gather(store_k, slots).transpose(1, 2)  # [B, Hkv, L, D]
-                v = _gather(store_v, slots).transpose(1, 2)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
             else:
-                keys = [_gather(store_k, slots)]  # [B, L_res, Hkv, D]
-                vals = [_gather(store_v, slots)]
+                keys, vals = [k], [v]
                 row = g.staged_rows[0]
                 if row is not None:
-                    st = pool.row(row).staging
-                    keys.append(st.k[layer].unsqueeze(0))
-                    vals.append(st.v[layer].unsqueeze(0))
+                    sk, sv = pool.staged_kv(row, layer)
+                    keys.append(sk.unsqueeze(0))
+                    vals.append(sv.unsqueeze(0))
                 # a group's tokens are contiguous in the packed sequence: views, no gathers
                 keys.append(k_new[g.lo : g.hi].unflatten(0, (g.batch, -1)))  # [B, T, Hkv, D]
                 vals.append(v_new[g.lo : g.hi].unflatten(0, (g.batch, -1)))
@@ -256,19 +253,16 @@ class StepAttention:
 
     def _store_paged(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         slots, src = self.paged_write
-        self.pool.k[layer].index_copy_(0, slots, k_new.index_select(0, src))
-        self.pool.v[layer].index_copy_(0, slots, v_new.index_select(0, src))
+        self.pool.write(layer, slots, k_new.index_select(0, src), v_new.index_select(0, src))
 
     def _store_ring(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """After the layer's attention: survivors into ring slots, or staging for later chunks."""
         pool = self.pool
         for row, slots, idx in self.unstage:
-            st = pool.row(row).staging
-            pool.k[layer].index_copy_(0, slots, st.k[layer].index_select(0, idx))
-            pool.v[layer].index_copy_(0, slots, st.v[layer].index_select(0, idx))
+            sk, sv = pool.staged_kv(row, layer)
+            pool.write(layer, slots, sk.index_select(0, idx), sv.index_select(0, idx))
         slots, src = self.ring_write
-        pool.k[layer].index_copy_(0, slots, k_new.index_select(0, src))
-        pool.v[layer].index_copy_(0, slots, v_new.index_select(0, src))
+        pool.write(layer, slots, k_new.index_select(0, src), v_new.index_select(0, src))
         for row, off, n in self.stage_src:
             pool.stage(row, layer, k_new[off : off + n], v_new[off : off + n])
 
@@ -276,12 +270,6 @@ class StepAttention:
         """After the forward: the pool records every chunk's new length and ring positions."""
         for c in self.chunks:
             self.pool.commit(c.row, c.start + c.num_tokens, c.forward_start, c.forward_done)
-
-
-def _gather(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """store[slots] for 2-D slots [B, L] -> [B, L, Hkv, D]; index_select copies whole rows and
-    ran ~5x faster than advanced indexing for these shapes on the CPU."""
-    return store.index_select(0, slots.reshape(-1)).unflatten(0, slots.shape)
 
 
 def _keys(k: torch.Tensor, keys) -> torch.Tensor:

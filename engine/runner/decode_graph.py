@@ -102,7 +102,7 @@ class DecodeBatch:
         q = query[0].transpose(0, 1)  # [B, H, D]
         k_new = key[0].transpose(0, 1)  # [B, Hkv, D]
         v_new = value[0].transpose(0, 1)
-        ks, vs = pool.k[layer], pool.v[layer]
+        ks, vs = pool.store(layer)
         # the kernel stores the new K/V itself, after every read of the store (a ring slot it
         # takes may still hold a key this query sees)
         if lay.paged:
@@ -149,9 +149,10 @@ class GraphDecoder:
         self.last = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.evicted = None
         if undoable:
-            self.evicted = {i: (torch.zeros((max_batch, *pool.k[i].shape[1:]), dtype=pool.dtype, device=dev),
-                                torch.zeros((max_batch, *pool.k[i].shape[1:]), dtype=pool.dtype, device=dev))
-                            for i in pool.ring_layers}
+            shapes = {i: pool.store(i)[0].shape[1:] for i in pool.ring_layers}  # [Hkv, D] per ring layer
+            self.evicted = {i: (torch.zeros((max_batch, *shape), dtype=pool.dtype, device=dev),
+                                torch.zeros((max_batch, *shape), dtype=pool.dtype, device=dev))
+                            for i, shape in shapes.items()}
         cuda = dev.type == "cuda"
         # two in turn: the host reads one step's tokens while the next step's copy is queued;
         # flat, so a step's [2, n] is one contiguous run (an asynchronous copy needs one)

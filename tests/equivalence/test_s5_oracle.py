@@ -95,7 +95,7 @@ def test_gemma4_moe_with_per_layer_kv_shapes_matches_oracle(policy, static):
                                  max_num_batched_tokens=16, kv_cache_bytes=1 << 22, max_rows=8,
                                  decode_graphs=static, max_graph_batch=3),
                     LoadedModel(tiny_gemma4(0), None, "tiny-gemma4"))
-    shapes = {tuple(engine.pool.k[i].shape[1:]) for i in range(len(engine.layouts))}
+    shapes = {tuple(engine.pool.store(i)[0].shape[1:]) for i in range(len(engine.layouts))}
     assert shapes == {(2, 16), (1, 32)}
     turns = [[rng.randrange(5, 30) for _ in range(2)] for _ in range(3)]
     results, rec = run_sessions(engine, turns, rng, max_tokens=8)
