@@ -12,7 +12,7 @@ import time
 def _serve(argv: list[str]) -> int:
     import uvicorn
 
-    from engine.core.session_db import SessionFileBusy, SessionFileLock
+    from engine.core.session_db import SessionFileBusy, SessionFileLock, is_postgres_url
     from service.app import create_app
     from service.settings import exposure_warning, parse_serve_args
 
@@ -25,7 +25,7 @@ def _serve(argv: list[str]) -> int:
     # One server per session file, checked before anything slow; the engine process's SessionDB
     # then holds the lock for as long as it runs.
     try:
-        if settings.engine.session_db:
+        if settings.engine.session_db and not is_postgres_url(settings.engine.session_db):
             SessionFileLock(settings.engine.session_db).release()
     except SessionFileBusy as e:
         print(f"s5serve: {e}", file=sys.stderr)
