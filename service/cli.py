@@ -117,15 +117,22 @@ def _chat(argv: list[str]) -> int:
             print()
 
 
+def _cluster(argv: list[str]) -> int:
+    from service.cluster import main
+
+    return main(argv)
+
+
 COMMANDS = {
     "serve": (_serve, "serve a model over HTTP (OpenAI-compatible routes and sessions, SSE)"),
+    "cluster": (_cluster, "serve from N replicas on Ray Serve, sessions routed to their replica"),
     "chat": (_chat, "chat in the terminal over a session of a running server"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: s5serve COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<7}{about}" for name, (_, about) in COMMANDS.items()]
+    lines += [f"  {name:<9}{about}" for name, (_, about) in COMMANDS.items()]
     lines += ["", "s5serve COMMAND --help shows a command's options."]
     return "\n".join(lines)
 

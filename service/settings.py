@@ -235,8 +235,10 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_serve_args(argv: list[str] | None = None) -> Settings:
-    a = vars(serve_parser().parse_args(argv))
+def parse_serve_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Settings:
+    """Settings from the command line and environment; `parser`: serve_parser() with more
+    arguments of another command (s5serve cluster), which are left to it."""
+    a = vars((parser or serve_parser()).parse_args(argv))
     keys = a["api_keys"]
     a["api_keys"] = tuple(k for group in keys for k in group) if keys is not None else tuple(a["api_keys_fallback"])
     engine_kw: dict[str, Any] = {}
