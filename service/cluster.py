@@ -70,21 +70,21 @@ class HTTPCall:
 
 
 def session_key(path: str, headers, body: bytes) -> str:
-    """The session a request belongs to ("" for none): a session route's path, else an
-    X-Session-Id header, else an OpenAI body's session_id."""
+    """The session a request belongs to ("" for none), found as the routes find it: a session
+    route's path; for the OpenAI routes, the body's session_id, else an X-Session-Id header."""
     m = _SESSION_PATH.match(path)
     if m:
         return m.group(1)
-    sid = headers.get("x-session-id")
-    if sid:
-        return sid
-    if path in _OPENAI_BODY_ROUTES and b'"session_id"' in body:
+    if path not in _OPENAI_BODY_ROUTES:
+        return ""
+    if b'"session_id"' in body:
         try:
             value = json.loads(body).get("session_id")
         except (ValueError, AttributeError):
-            return ""  # the replica answers the malformed body with a 400
-        return value if isinstance(value, str) else ""
-    return ""
+            value = None  # the replica answers a malformed body with a 400
+        if isinstance(value, str) and value:
+            return value
+    return headers.get("x-session-id") or ""
 
 
 class EngineReplica:
@@ -220,10 +220,12 @@ def build_app(cluster: ClusterSettings):
     """The Ray Serve application: the gateway bound to N engine replicas."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
+    from ray.serve.schema import LoggingConfig
 
     from service.routing import SessionAffinityRouter
 
     s = cluster.serve
+    quiet = LoggingConfig(log_level="WARNING", enable_access_log=False)  # the app logs what matters
     replica_settings = replace(s, host="127.0.0.1", port=0)
     engines = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT,
@@ -238,10 +240,11 @@ def build_app(cluster: ClusterSettings):
         health_check_timeout_s=30.0,
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=s.drain_grace_s,
+        logging_config=quiet,
     ).bind(replica_settings)
     gateway = serve.deployment(Gateway).options(
         name=GATEWAY_DEPLOYMENT, num_replicas=cluster.gateways, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=100_000,
+        max_ongoing_requests=100_000, logging_config=quiet,
     ).bind(engines, s.max_body_bytes)
     return gateway
 
