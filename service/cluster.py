@@ -315,7 +315,8 @@ def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:
     if not ray.is_initialized():
         ray.init(address=ray_address, runtime_env=runtime_env(), include_dashboard=False,
                  configure_logging=True, logging_level=logging.WARNING)
-    serve.start(http_options={"host": cluster.serve.host, "port": cluster.serve.port})
+    serve.start(http_options={"host": cluster.serve.host, "port": cluster.serve.port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
     serve.run(build_app(cluster), name=APP_NAME, route_prefix="/", blocking=False)
 
 
