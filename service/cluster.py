@@ -171,6 +171,7 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, request):
+        from ray.serve.exceptions import BackPressureError
         from starlette.responses import JSONResponse, StreamingResponse
 
         from service.errors import envelope
@@ -189,6 +190,9 @@ class Gateway:
         stream = handle.handle.remote(call)
         try:
             head = await stream.__anext__()
+        except BackPressureError:  # every replica full and the gateway's queue too
+            return JSONResponse(envelope(429, "too many requests in flight; retry later", "queue_full"),
+                                status_code=429, headers={"Retry-After": "1"})
         except Exception as exc:  # no replica answered (it died before its response began)
             log.warning("%s %s: no replica answered: %s", request.method, path, exc)
             stream.cancel()
@@ -232,7 +236,8 @@ def build_app(cluster: ClusterSettings):
         num_replicas=cluster.replicas,
         ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
         max_ongoing_requests=cluster.max_ongoing_requests or s.max_queued,
-        max_queued_requests=-1,
+        # past this many requests waiting in a gateway for a replica, it answers 429
+        max_queued_requests=s.max_queued,
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter,
                                                   request_routing_stats_period_s=1.0,
                                                   request_routing_stats_timeout_s=5.0),
