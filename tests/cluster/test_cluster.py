@@ -110,6 +110,23 @@ def kill_replica(unique_id: str) -> None:
     ray.kill(actor, no_restart=True)
 
 
+def wait_for_leases_released(db: str, timeout: float = 60) -> float:
+    """Until the store holds no session lease (advisory lock): a dead replica's go with its
+    connection, once PostgreSQL has seen that connection close. Returns the seconds it took."""
+    import psycopg
+
+    t0 = time.monotonic()
+    with psycopg.connect(db, autocommit=True) as conn:
+        while time.monotonic() - t0 < timeout:
+            (held,) = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                                   "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                                   ).fetchone()
+            if held == 0:
+                return time.monotonic() - t0
+            time.sleep(0.1)
+    raise AssertionError(f"a dead replica's session lease was still held after {timeout} s")
+
+
 def replica_actors() -> set[str]:
     """The unique ids of the engine replicas' live actors."""
     prefix = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
@@ -200,6 +217,7 @@ def test_a_turn_on_a_replica_that_dies_ends_with_an_error_and_is_not_committed(c
     last = json.loads(events[-2])
     assert last["error"]["code"] == "replica_failed", events[-3:]
     assert not any(e.startswith('{"type":"done"') for e in events)
+    print(f"\nthe dead replica's lease went {wait_for_leases_released(cluster.db):.2f} s after its stream ended")
     # the session is at its last completed turn, and its next turn succeeds on another replica
     after = session(cluster.url, sid)
     assert before["turns"] == after["turns"] == 2 and after["history_tokens"] == before["history_tokens"]
