@@ -43,6 +43,7 @@ GATEWAY_DEPLOYMENT = "Gateway"
 APP_NAME = "s5serve"
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)")
 _OPENAI_BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
+_CANCEL_PATH = re.compile(r"^/v1/requests/([^/]+)/cancel$")
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,20 @@ class EngineReplica:
 
 
 class Gateway:
-    """The HTTP ingress: forwards every request to the replica its session maps to."""
+    """The HTTP ingress: forwards every request to the replica its session maps to.
+
+    Request ids: Ray Serve's proxy gives every response an `X-Request-Id` of its own (the one a
+    client sent, or one it made), so that is the id a client sees; the gateway drops the replica
+    app's own header and keeps, for each request in flight, which replica runs it under which id,
+    so that `POST /v1/requests/{id}/cancel` reaches that replica with the app's id. (With several
+    gateway replicas, a cancel may reach a gateway that did not forward the request: it then answers
+    404 request_not_found, and closing the request's connection cancels it as well.)
+    """
 
     def __init__(self, engines, max_body_bytes: int) -> None:
         self.engines = engines  # DeploymentHandle of EngineReplica
         self.max_body_bytes = max_body_bytes
+        self.in_flight: dict[str, tuple[str, str]] = {}  # client's request id -> (replica, app's id)
 
     async def __call__(self, request):
         from ray.serve.exceptions import BackPressureError
@@ -184,9 +194,14 @@ class Gateway:
                                              "body_too_large"), status_code=413)
         path = request.url.path
         key = session_key(path, request.headers, body)
+        handle = self.engines.options(stream=True, session_id=key) if key else self.engines.options(stream=True)
+        cancel = _CANCEL_PATH.match(path)
+        if cancel and cancel.group(1) in self.in_flight:  # to the replica that runs it, by the app's id
+            replica, app_id = self.in_flight[cancel.group(1)]
+            path = f"/v1/requests/{app_id}/cancel"
+            handle = self.engines.options(stream=True, multiplexed_model_id=_target_replica(replica))
         call = HTTPCall(request.method, path, request.url.query.encode(), list(request.headers.raw), body,
                         (request.client.host, request.client.port) if request.client else None)
-        handle = self.engines.options(stream=True, session_id=key) if key else self.engines.options(stream=True)
         stream = handle.handle.remote(call)
         try:
             head = await stream.__anext__()
@@ -198,8 +213,11 @@ class Gateway:
             stream.cancel()
             return JSONResponse(envelope(503, "the replica serving this request failed; retry", "replica_failed"),
                                 status_code=503, headers={"Retry-After": "1"})
-        event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                           for k, v in head["headers"])
+        headers = {k.lower(): v for k, v in head["headers"]}
+        event_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        client_id = request.headers.get("x-request-id")  # what Ray's proxy answers with
+        if client_id and b"x-request-id" in headers:
+            self.in_flight[client_id] = (headers[REPLICA_HEADER.encode()].decode(), headers[b"x-request-id"].decode())
 
         async def chunks():
             try:
@@ -214,10 +232,18 @@ class Gateway:
                     yield b"data: [DONE]\n\n"
             finally:
                 stream.cancel()
+                self.in_flight.pop(client_id, None)
 
         response = StreamingResponse(chunks(), status_code=head["status"])
-        response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() != b"transfer-encoding"]
+        response.raw_headers = [(k, v) for k, v in head["headers"]
+                                if k.lower() not in (b"transfer-encoding", b"x-request-id")]
         return response
+
+
+def _target_replica(replica: str) -> str:
+    from service.routing import TARGET_REPLICA  # imports Ray: only where Ray runs
+
+    return TARGET_REPLICA + replica
 
 
 def build_app(cluster: ClusterSettings):

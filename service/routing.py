@@ -12,6 +12,7 @@
   two choices on the queue lengths the router probes), drawn among the replicas whose KV cache is
   not nearly full (`kv_cache_usage_perc`, reported by each replica's record_routing_stats) where
   there are any.
+- A request the gateway addresses to one replica (`TARGET_REPLICA`) goes there.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 KV_NEARLY_FULL = 0.9  # replicas above this share of KV blocks in use are passed over for new work
 
 
+# The gateway's way to name one replica (a request cancel goes to the replica running the request):
+# a handle's multiplexed model id of this form (the replicas multiplex no models).
+TARGET_REPLICA = "s5-replica:"
+
+
 class SessionAffinityRouter(ConsistentHashRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        target = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if target.startswith(TARGET_REPLICA):
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == target[len(TARGET_REPLICA):]]
+            return [named or candidate_replicas]  # gone: any replica answers that it runs no such request
         if pending_request is None or pending_request.metadata.session_id:
             return await super().choose_replicas(candidate_replicas, pending_request)
         if not candidate_replicas:

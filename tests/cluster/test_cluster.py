@@ -253,3 +253,27 @@ def test_racing_turns_of_one_session_on_two_replicas_one_gets_409(cluster):
         assert r.status_code == 200 and session(cluster.url, sid)["turns"] == 3
     finally:
         other.stop()
+
+
+def test_a_turn_is_cancelled_by_its_request_id_or_when_its_client_goes_away(cluster):
+    (sid,), _, _ = asyncio.run(rounds(cluster.url, plan(5, sessions=1, turns=1)))
+    body = {"input": [7, 8, 9], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/sessions/{sid}/generate", json=body, timeout=120) as r:
+        (request_id,) = r.headers.get_list("x-request-id")  # one id, the one a cancel takes
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert next(lines).startswith('data: {"type":"token"')
+        cancelled = httpx.post(f"{cluster.url}/v1/requests/{request_id}/cancel", timeout=30)
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["finish_reason"] == "abort"
+    assert session(cluster.url, sid)["turns"] == 1  # rolled back
+    r = httpx.post(f"{cluster.url}/v1/requests/{request_id}/cancel", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+
+    with httpx.stream("POST", f"{cluster.url}/v1/sessions/{sid}/generate", json=body, timeout=120) as r:
+        next(line for line in r.iter_lines() if line.startswith('data: {"type":"token"'))
+    # the client went away: the replica aborts the turn and the session is idle again, unchanged
+    deadline = time.monotonic() + 30
+    while (info := session(cluster.url, sid))["state"] == "busy" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert info["state"] != "busy" and info["turns"] == 1
