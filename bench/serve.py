@@ -20,6 +20,10 @@ number from one run. Tokens per SSE chunk come from the chunk's `token_ids` (s5s
     python -m bench.serve --model embedded --n 1 8 32 --new-tokens 128      # CPU, int8 as served
     python -m bench.serve --shape gemma3-1b --device cuda --dtype bfloat16 --n 64 256 --new-tokens 512
     python -m bench.serve --base-url http://127.0.0.1:8080 --n 1 8           # any OpenAI server
+
+`--targets serve cluster:1 cluster:2` runs each N against `s5serve serve` and against `s5serve
+cluster` with 1 and 2 replicas on Ray Serve (same engine settings, all on this machine), and reports
+each cluster row's overhead against the `serve` row of the same N (TTFT, ITL, tok/s ratios).
 """
 
 from __future__ import annotations
@@ -240,13 +244,20 @@ def engine_settings(a, n: int) -> dict:
             "kv_cache_bytes": max(2 << 30, n * (64 << 20)) if a.device.startswith("cuda") else max(1 << 30, n * (32 << 20))}
 
 
-def start_server(spec: str, a, n: int, port: int, log: Path) -> subprocess.Popen:
+def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serve") -> subprocess.Popen:
+    """`s5serve serve`, or for `cluster:R` `s5serve cluster` with R replicas (every replica with
+    the engine settings of N rows, as `serve` has)."""
     es = engine_settings(a, n)
-    args = [sys.executable, "-m", "service.cli", "serve", "--model", spec, "--device", a.device, "--dtype", a.dtype,
+    command = ["serve"]
+    if target.startswith("cluster:"):
+        command = ["cluster", "--replicas", target.split(":", 1)[1], "--replica-cpus", "0"]
+    args = [sys.executable, "-m", "service.cli", *command, "--model", spec, "--device", a.device, "--dtype", a.dtype,
             "--quantization", a.quantization or "none", "--rows", str(es["max_rows"]),
             "--max-num-batched-tokens", str(es["max_num_batched_tokens"]), "--kv-cache-bytes", str(es["kv_cache_bytes"]),
             "--queue-size", str(max(256, 4 * n)), "--session-db", "none", "--port", str(port)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if a.threads:  # the server's (every replica's) engine threads; Ray gives an actor 1 unless told
+        env["OMP_NUM_THREADS"] = str(a.threads)
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -266,9 +277,21 @@ def start_server(spec: str, a, n: int, port: int, log: Path) -> subprocess.Popen
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
-        proc.wait(60)
+        proc.wait(120)  # a cluster drains its replicas and stops Ray
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def overhead(row: dict, base: dict) -> dict:
+    """A row's figures over those of `base` (the same N through `s5serve serve`)."""
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    return {"ttft_p50": ratio(row["ttft_s"]["p50"], base["ttft_s"]["p50"]),
+            "itl_p50": ratio(row["itl_s"]["p50"], base["itl_s"]["p50"]),
+            "itl_p99": ratio(row["itl_s"]["p99"], base["itl_s"]["p99"]),
+            "output_tok_s": ratio(row["output_tok_s"], base["output_tok_s"]),
+            "decode_tok_s": ratio(row["decode_tok_s"], base["decode_tok_s"])}
 
 
 # ---- workloads ---------------------------------------------------------------------------------------
@@ -337,6 +360,12 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="engine weights: int8 (CPU), bnb-4bit (CUDA); "
                     "default: int8 on the CPU with float32 (as served), else none")
     ap.add_argument("--base-url", default=None, help="measure this server instead of starting s5serve")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads of each engine (OMP_NUM_THREADS of every server and replica, and the "
+                         "engine baseline's); compare serve with cluster at the same count")
+    ap.add_argument("--targets", nargs="+", default=["serve"],
+                    help="what to start and measure: serve (s5serve serve), cluster:R (s5serve cluster "
+                         "with R replicas on Ray Serve); cluster rows report their overhead vs serve")
     ap.add_argument("--served-model", default=None, help="the `model` field to send (peers that need one)")
     ap.add_argument("--mode", choices=["concurrency", "rate", "sessions"], default="concurrency")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8])
@@ -365,6 +394,12 @@ def main() -> None:
 
     from bench.throughput import cpu_name, git_commit, prompts_for, source_digest
 
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    load_before = os.getloadavg()
+
     work = Path(tempfile.mkdtemp(prefix="s5bench-"))
     spec = model_spec(a, work) if not a.base_url else None
     vocab, tokenizer = 32000, None
@@ -384,7 +419,11 @@ def main() -> None:
             path = str(embedded_dir()) if spec == "embedded" else spec.removeprefix("random:")
             vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     rows = []
-    head = (f"{'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
+    targets = [None] if a.base_url else a.targets
+    for t in targets:
+        if t is not None and t != "serve" and not (t.startswith("cluster:") and t.split(":", 1)[1].isdigit()):
+            ap.error(f"--targets: {t!r} is neither serve nor cluster:R")
+    head = (f"{'target':>9} {'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
             f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
             f"{'eng ITL p99':>11} "
             f"{'lag p99 ms':>10} {'errors':>6}")
@@ -394,57 +433,70 @@ def main() -> None:
         prompts = prompts_for(tokenizer, vocab, n if a.mode == "concurrency" else a.num_prompts, a.prompt_len,
                               seed=n)
         eng = engine_rate(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
-        proc, url = None, a.base_url
-        if not url:
-            port = free_port()
-            proc = start_server(spec, a, n if a.mode != "rate" else max(a.n), port, work / f"server-{n}.log")
-            url = f"http://127.0.0.1:{port}"
-        try:
-            warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4)]
-            drive(url, warm, [0.0], 1)
-            before = scrape(url)
-            if a.mode == "sessions":
-                res = run_sessions(url, a, vocab, a.served_model)
-                summ = res["all"]
-            else:
-                bodies = [completion(p, a, a.served_model) for p in prompts]
-                if a.mode == "rate":
-                    rng = random.Random(0)
-                    offsets, t = [], 0.0
-                    for _ in bodies:
-                        offsets.append(t)
-                        t += rng.expovariate(a.rate)
+        base_row = None
+        for target in targets:
+            proc, url = None, a.base_url
+            if not url:
+                port = free_port()
+                proc = start_server(spec, a, n if a.mode != "rate" else max(a.n), port,
+                                    work / f"server-{n}-{target.replace(':', '')}.log", target)
+                url = f"http://127.0.0.1:{port}"
+            try:
+                warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4)]
+                drive(url, warm, [0.0], 1)
+                before = scrape(url)
+                if a.mode == "sessions":
+                    res = run_sessions(url, a, vocab, a.served_model)
+                    summ = res["all"]
                 else:
-                    offsets = [0.0] * len(bodies)
-                results = drive(url, bodies, offsets, a.client_procs)
-                summ, res = summarize(results, a.slo_ttft, a.slo_tpot), None
-            after = scrape(url)
-        finally:
-            if proc is not None:
-                stop_server(proc)
-        lag = loop_lag(before, after)
-        row = {"mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
-               "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
-                                             if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
-               "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_s"]
-                                           if eng and summ["ttft_s"]["p50"] is not None else None)}
-        if res is not None:
-            row["per_turn"] = res["per_turn"]
-        rows.append(row)
+                    bodies = [completion(p, a, a.served_model) for p in prompts]
+                    if a.mode == "rate":
+                        rng = random.Random(0)
+                        offsets, t = [], 0.0
+                        for _ in bodies:
+                            offsets.append(t)
+                            t += rng.expovariate(a.rate)
+                    else:
+                        offsets = [0.0] * len(bodies)
+                    results = drive(url, bodies, offsets, a.client_procs)
+                    summ, res = summarize(results, a.slo_ttft, a.slo_tpot), None
+                after = scrape(url)
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+            lag = loop_lag(before, after)
+            row = {"target": target, "mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
+                   "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
+                                                 if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
+                   "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_s"]
+                                               if eng and summ["ttft_s"]["p50"] is not None else None)}
+            if res is not None:
+                row["per_turn"] = res["per_turn"]
+            if target == "serve":
+                base_row = row
+            elif base_row is not None:
+                row["over_serve"] = overhead(row, base_row)
+            rows.append(row)
 
-        def f(x, scale=1.0, fmt=".1f"):
-            return format(x * scale, fmt) if x is not None else "-"
+            def f(x, scale=1.0, fmt=".1f"):
+                return format(x * scale, fmt) if x is not None else "-"
 
-        print(f"{a.mode:>11} {n:>4} {f(summ['decode_tok_s']):>16} {f(eng and eng['decode_tok_s']):>16} "
-              f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
-              f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
-              f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
-              f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
-              f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {summ['errors']:>6}", flush=True)
-        if res is not None:
-            for t in res["per_turn"]:
-                print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
-                      f"{t['prompt_tokens_mean']:.0f} tokens, cached {f(t['cached_tokens_mean'], fmt='.0f')}")
+            print(f"{target or 'peer':>9} {a.mode:>11} {n:>4} {f(summ['decode_tok_s']):>16} {f(eng and eng['decode_tok_s']):>16} "
+                  f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
+                  f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
+                  f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
+                  f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
+                  f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {summ['errors']:>6}", flush=True)
+            if res is not None:
+                for t in res["per_turn"]:
+                    print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
+                          f"{t['prompt_tokens_mean']:.0f} tokens, cached {f(t['cached_tokens_mean'], fmt='.0f')}")
+            if "over_serve" in row:
+                o = row["over_serve"]
+                print(f"{'':>9} {'vs serve':>11} {n:>4}  TTFT p50 x{f(o['ttft_p50'], fmt='.2f')}, ITL p50 "
+                      f"x{f(o['itl_p50'], fmt='.2f')}, ITL p99 x{f(o['itl_p99'], fmt='.2f')}, out tok/s "
+                      f"x{f(o['output_tok_s'], fmt='.2f')}, decode tok/s x{f(o['decode_tok_s'], fmt='.2f')}",
+                      flush=True)
     shutil.rmtree(work, ignore_errors=True)
     import torch
 
@@ -461,12 +513,14 @@ def main() -> None:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": transformers.__version__, "commit": git_commit(),
                      "source_digest": source_digest()},
+        "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": a.threads,
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
-                     "ignore_eos": True, "client_procs": a.client_procs},
+                     "ignore_eos": True, "client_procs": a.client_procs, "targets": targets},
         "rows": rows}, indent=1))
     print(f"wrote {out / stem}.json")
-    if a.mode == "concurrency" and len(rows) > 1:
-        plot(rows, out / f"{stem}.png", name)
+    plain = [r for r in rows if r["target"] in (None, "serve")]
+    if a.mode == "concurrency" and len(plain) > 1:
+        plot(plain, out / f"{stem}.png", name)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

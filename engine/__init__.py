@@ -10,7 +10,8 @@ Map of the package (one owner per resource, data flows top to bottom):
       sessions.py      SessionTable: sessions, their owners, durability, where each row is
       requests.py      a request's validation and plan (what it feeds, how its row comes back)
       scheduler.py     token budget, prefill chunks + decodes; admission through a callback
-      session_db.py    session transcripts on disk (SQLite)
+      session_db.py    session transcripts on disk (SQLite), or in PostgreSQL shared by replicas
+      session_sync.py  a session table kept in line with a shared store; per-turn leases
       config.py        EngineConfig (frozen): model, device, dtype, KV policy, limits
       types.py         plain data shared across the engine: SamplingParams, Request, outputs, errors
       detokenizer.py   incremental UTF-8-safe detokenization and stop strings

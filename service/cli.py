@@ -12,7 +12,7 @@ import time
 def _serve(argv: list[str]) -> int:
     import uvicorn
 
-    from engine.core.session_db import SessionFileBusy, SessionFileLock
+    from engine.core.session_db import SessionFileBusy, SessionFileLock, is_postgres_url
     from service.app import create_app
     from service.settings import exposure_warning, parse_serve_args
 
@@ -25,7 +25,7 @@ def _serve(argv: list[str]) -> int:
     # One server per session file, checked before anything slow; the engine process's SessionDB
     # then holds the lock for as long as it runs.
     try:
-        if settings.engine.session_db:
+        if settings.engine.session_db and not is_postgres_url(settings.engine.session_db):
             SessionFileLock(settings.engine.session_db).release()
     except SessionFileBusy as e:
         print(f"s5serve: {e}", file=sys.stderr)
@@ -117,15 +117,22 @@ def _chat(argv: list[str]) -> int:
             print()
 
 
+def _cluster(argv: list[str]) -> int:
+    from service.cluster import main
+
+    return main(argv)
+
+
 COMMANDS = {
     "serve": (_serve, "serve a model over HTTP (OpenAI-compatible routes and sessions, SSE)"),
+    "cluster": (_cluster, "serve from N replicas on Ray Serve, sessions routed to their replica"),
     "chat": (_chat, "chat in the terminal over a session of a running server"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: s5serve COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<7}{about}" for name, (_, about) in COMMANDS.items()]
+    lines += [f"  {name:<9}{about}" for name, (_, about) in COMMANDS.items()]
     lines += ["", "s5serve COMMAND --help shows a command's options."]
     return "\n".join(lines)
 

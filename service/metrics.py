@@ -15,6 +15,12 @@ class Metrics:
         self.kv_utilization = Gauge("s5_kv_block_utilization", "Share of paged KV blocks in use", registry=r)
         self.rows_used = Gauge("s5_kv_rows_used", "KV rows in use (sessions and requests)", registry=r)
         self.sessions = Gauge("s5_sessions", "Open sessions", registry=r)
+        # The same load under vLLM's names, which Kubernetes inference gateways (Gateway API
+        # inference extension, llm-d) read to pick a replica. kv_cache_usage_perc is a share (0..1),
+        # as vLLM reports it.
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of paged KV blocks in use (0..1)", registry=r)
         self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=r)
         self.itl = Histogram("s5_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY, registry=r)
         self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=r)
@@ -55,6 +61,9 @@ class Metrics:
             return
         self.queued.set(st.num_waiting)
         self.running.set(st.num_running)
+        self.vllm_waiting.set(st.num_waiting)
+        self.vllm_running.set(st.num_running)
+        self.vllm_kv_usage.set(st.kv_block_utilization)
         self.rows_used.set(st.rows_used)
         self.kv_utilization.set(st.kv_block_utilization)
         self.sessions.set(st.num_sessions)

@@ -167,9 +167,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
     # sessions
     Option("--session-db", "engine.session_db",
-           "SQLite file keeping session transcripts, so sessions survive restarts; one server per "
-           "file ('none': sessions live in memory only)",
-           default=default_session_db, metavar="FILE"),
+           "where session transcripts are kept, so sessions survive restarts: an SQLite file (one "
+           "server per file), or a postgresql://user@host/db URL shared by the replicas of a cluster "
+           "('none': sessions live in memory only)",
+           default=default_session_db, metavar="FILE|URL"),
     Option("--session-ttl", "session_ttl_s", "seconds an idle session is kept", parse=float, metavar="SECONDS"),
     # HTTP
     Option("--host", "host", "address to bind; 0.0.0.0 serves every interface (set API keys then)"),
@@ -234,8 +235,10 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_serve_args(argv: list[str] | None = None) -> Settings:
-    a = vars(serve_parser().parse_args(argv))
+def parse_serve_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Settings:
+    """Settings from the command line and environment; `parser`: serve_parser() with more
+    arguments of another command (s5serve cluster), which are left to it."""
+    a = vars((parser or serve_parser()).parse_args(argv))
     keys = a["api_keys"]
     a["api_keys"] = tuple(k for group in keys for k in group) if keys is not None else tuple(a["api_keys_fallback"])
     engine_kw: dict[str, Any] = {}

@@ -32,3 +32,21 @@ def embedded_reference(embedded_dir):
 @pytest.fixture(scope="session")
 def tokenizer(embedded):
     return embedded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the whole run (tests/postgres.py); each test takes a fresh
+    database of it with `postgres.database()`."""
+    from tests.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def session_store(request, tmp_path):
+    """A `--session-db` target of each backend: an SQLite file, a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "sessions.sqlite3")
+    return request.getfixturevalue("postgres").database()

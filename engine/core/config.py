@@ -53,7 +53,8 @@ class EngineConfig:
     # before it runs and waits on the device for its results, so small decode kernels do not pay
     # their launch in full. The results are the same either way; False launches them plainly.
     pdl: bool = True
-    # SQLite file that keeps session transcripts (session_db.py): sessions then survive a restart
+    # SQLite file, or postgresql:// URL of a store shared by replicas, that keeps session
+    # transcripts (session_db.py): sessions then survive a restart
     # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
     # memory only (rows given up are still rebuilt exactly from the in-memory transcript).
     session_db: str | None = None

@@ -28,10 +28,11 @@ from typing import NamedTuple
 
 import torch
 
+from engine.core import session_sync
 from engine.core.config import EngineConfig
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.session_db import SessionDB
+from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
 from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits
 from engine.kv.policy import layer_layouts
@@ -90,7 +91,8 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
-        db = SessionDB(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
+        # an SQLite file, or a PostgreSQL store shared by replicas (core/session_sync.py)
+        db = open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed)
         self._live: dict[str, LiveRequest] = {}
@@ -152,9 +154,10 @@ class Engine:
 
     def expire_idle(self, ttl_seconds: float) -> list[str]:
         """Evict sessions idle for longer than `ttl_seconds`; returns their ids."""
-        old = self.sessions.idle_since(ttl_seconds)
+        old = session_sync.expired(self.sessions, ttl_seconds)
         for s in old:
             self._end_session(s, evicted_because="ttl")
+        session_sync.expired_done(self.sessions, old)
         return [s.session_id for s in old]
 
     def _end_session(self, s: Session, evicted_because: str | None = None) -> None:
@@ -170,6 +173,8 @@ class Engine:
         session = self.sessions.get(request.session_id, request.owner) if request.session_id is not None else None
         history = self.sessions.history(session) if session is not None else []
         live = self.planner.plan(request, session, history)
+        if session is not None:
+            session_sync.begin_turn(self.sessions, session)
         # valid: from here on the request is committed
         if live.diverged:
             self.sessions.reset(session)
@@ -423,6 +428,7 @@ class Engine:
         if session is not None:
             session.busy = None
             session.last_used = time.monotonic()
+            session_sync.end_turn(self.sessions, session)
         new_ids = [last_token] if last_token is not None else []
         return self._output(live, new_ids, reason, error)
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
-from engine.core.session_db import SessionDB
+from engine.core import session_sync
+from engine.core.session_db import STORE_ERRORS, PostgresSessionDB, SessionDB
 from engine.core.types import EngineError
 from engine.kv.rows import RowPool, SwappedRow
 
@@ -65,7 +65,8 @@ def fingerprint(model_name: str, config, vocab_size: int) -> str:
 
 
 class SessionTable:
-    def __init__(self, pool: RowPool, swap_bytes: int, stats: dict[str, int], db: SessionDB | None = None) -> None:
+    def __init__(self, pool: RowPool, swap_bytes: int, stats: dict[str, int],
+                 db: SessionDB | PostgresSessionDB | None = None) -> None:
         """`stats`: the engine's counters, which the table adds its events to."""
         self.pool = pool
         self.swap_bytes = swap_bytes  # most host bytes swapped rows may take
@@ -119,6 +120,7 @@ class SessionTable:
     def get(self, session_id: str, owner: str | None) -> Session:
         """The session, for its owner: another owner's session is indistinguishable from a
         missing one."""
+        session_sync.refresh(self, session_id)
         s = self.sessions.get(session_id)
         if s is not None and s.owner != owner:
             s = None
@@ -133,7 +135,7 @@ class SessionTable:
         if s.tokens is None:  # first use since the server started: read the transcript
             try:
                 s.tokens, s.forwards = self.db.history(s.session_id)
-            except sqlite3.Error as exc:
+            except STORE_ERRORS as exc:
                 self.stats["session_db_errors"] += 1
                 raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
             s.num_tokens = len(s.tokens)
@@ -171,7 +173,7 @@ class SessionTable:
         if self.db is not None:
             try:
                 self.db.create(sid, owner)
-            except sqlite3.Error as exc:
+            except STORE_ERRORS as exc:
                 self.stats["session_db_errors"] += 1
                 raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
         self.sessions[sid] = Session(sid, owner=owner)
@@ -223,14 +225,14 @@ class SessionTable:
             return
         try:
             write(*args)
-        except sqlite3.Error as exc:
+        except STORE_ERRORS as exc:
             self.stats["session_db_errors"] += 1
             s.durable = False
             log.error("session %s: writing its transcript failed (%s); it continues in memory only",
                       s.session_id, exc)
             try:
                 self.db.delete(s.session_id)
-            except sqlite3.Error:
+            except STORE_ERRORS:
                 log.error("session %s: its stale transcript could not be removed either", s.session_id)
 
     # ---- rows ---------------------------------------------------------------------------------

@@ -53,8 +53,17 @@ def test_replaying_the_forwards_is_what_makes_it_exact():
     assert diff > 1e-2
 
 
-def test_sessions_survive_a_restart(tmp_path):
-    db = str(tmp_path / "sessions.sqlite3")
+def crash(engine):
+    """What a crashed process leaves: nothing closed or flushed; the kernel drops its file lock
+    (SQLite) or closes its connection, and the leases with it (PostgreSQL)."""
+    if engine.sessions.db.shared:
+        engine.sessions.db.close()
+    else:
+        engine.sessions.db._lock.release()
+
+
+def test_sessions_survive_a_restart(session_store):
+    db = session_store
     turns = plan(3, sessions=4, turns=4)
     reference = Engine(EngineConfig(**BASE, max_rows=8), tiny_loaded(0))
     rec_ref = Recorder(reference)
@@ -66,8 +75,7 @@ def test_sessions_survive_a_restart(tmp_path):
     history = {sid: first.session_tokens(sid, owner=owner_of(first, sid)) for sid in sids}
     first.add_request(Request("cut", [7, 8, 9], greedy(30), session_id=sids[0], owner=owner_of(first, sids[0])))  # in flight at the "crash"
     first.step()
-    # a crash: nothing is closed or flushed; the kernel drops a dead process's file lock
-    first.sessions.db._lock.release()
+    crash(first)
     del first
 
     restarted = Engine(EngineConfig(**BASE, max_rows=8, session_db=db), tiny_loaded(0))
@@ -98,12 +106,13 @@ def test_sessions_survive_a_restart(tmp_path):
     assert len(other.sessions) == 0
 
 
-def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path):
+def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(session_store):
     import sqlite3
 
     from engine import EngineError
+    from engine.core.session_db import SessionStoreError
 
-    db = str(tmp_path / "sessions.sqlite3")
+    db = session_store
     engine = Engine(EngineConfig(**BASE, max_rows=4, session_db=db), tiny_loaded(0))
     turns = plan(4, sessions=2, turns=2)
     _, (broken, fine) = converse(engine, turns, rounds=[0])
@@ -111,7 +120,7 @@ def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path)
 
     def disk_full(session_id, *args):
         if session_id == broken:
-            raise sqlite3.OperationalError("database or disk is full")
+            raise (SessionStoreError if engine.sessions.db.shared else sqlite3.OperationalError)("database or disk is full")
         return real(session_id, *args)
 
     engine.sessions.db.append_turn = disk_full
@@ -120,7 +129,8 @@ def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(tmp_path)
     assert engine.stats["session_db_errors"] == 1
     assert not engine.session_info(broken, owner=owner_of(engine, broken))["durable"] and engine.session_info(fine, owner=owner_of(engine, fine))["durable"]
     assert len(engine.session_tokens(broken, owner=owner_of(engine, broken))) == engine.session_info(broken, owner=owner_of(engine, broken))["history_tokens"]
-    engine.sessions.db.create = lambda *a: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
+    failure = SessionStoreError if engine.sessions.db.shared else sqlite3.OperationalError
+    engine.sessions.db.create = lambda *a: (_ for _ in ()).throw(failure("disk I/O error"))
     with pytest.raises(EngineError) as err:
         engine.create_session()
     assert err.value.code == "session_store_unavailable" and len(engine.sessions) == 2

@@ -1,0 +1,53 @@
+"""`s5serve cluster`'s flags and `serve run service.cluster:build`'s arguments (nothing started),
+and how the gateway finds a request's session."""
+
+import subprocess
+import sys
+
+import pytest
+from ray.serve import Application
+from starlette.datastructures import Headers
+
+from service.cluster import build, parse_cluster_args, session_key
+
+
+def test_flags_are_serve_s_plus_the_cluster_s():
+    c = parse_cluster_args(["--model", "tiny-random", "--replicas", "3", "--session-db", "postgresql://u@h/db",
+                            "--port", "9000", "--replica-cpus", "0.5"])
+    assert (c.replicas, c.replica_cpus, c.replica_gpus, c.serve.port) == (3, 0.5, 0.0, 9000)
+    assert c.serve.engine.session_db == "postgresql://u@h/db" and c.serve.engine.model == "tiny-random"
+    gpu = parse_cluster_args(["--device", "cuda", "--session-db", "none"])
+    assert gpu.replica_gpus == 1.0 and gpu.serve.engine.session_db is None
+    assert parse_cluster_args(["--device", "cuda", "--replica-gpus", "0.5", "--session-db", "none"]).replica_gpus == 0.5
+
+
+def test_replicas_do_not_share_an_sqlite_file():
+    out = subprocess.run([sys.executable, "-m", "service.cli", "cluster", "--replicas", "2", "--session-db",
+                          "/tmp/sessions.sqlite3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "postgresql://" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "service.cli", "cluster", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--replicas" in out.stdout and "--session-db" in out.stdout
+
+
+def test_serve_run_builder_takes_the_flags_as_arguments():
+    app = build({"replicas": "2", "session-db": "postgresql://u@h/db", "model": "tiny-random"})
+    assert isinstance(app, Application)
+    with pytest.raises(SystemExit):
+        build({"replicas": "0", "session-db": "none"})
+
+
+@pytest.mark.parametrize(("path", "headers", "body", "key"), [
+    ("/v1/sessions/abc/generate", {}, b"{}", "abc"),
+    ("/v1/sessions/abc", {"x-session-id": "other"}, b"", "abc"),
+    ("/v1/sessions", {}, b"", ""),
+    ("/v1/completions", {}, b'{"prompt": "x", "session_id": "s1"}', "s1"),
+    ("/v1/chat/completions", {"x-session-id": "h1"}, b'{"messages": []}', "h1"),
+    ("/v1/completions", {"x-session-id": "h1"}, b'{"session_id": "s1"}', "s1"),  # the body wins, as in the routes
+    ("/v1/completions", {}, b'{"session_id": 5}', ""),
+    ("/v1/completions", {}, b'{not json "session_id"', ""),
+    ("/v1/models", {"x-session-id": "h1"}, b"", ""),
+    ("/health", {}, b"", ""),
+])
+def test_the_session_a_request_belongs_to(path, headers, body, key):
+    assert session_key(path, Headers(headers), body) == key
