@@ -96,16 +96,25 @@ def _gemma_norm(m) -> bool:
     return type(m).__name__ == "Gemma3RMSNorm" or (type(m) is FusedRMSNorm and m.offset == 1.0)
 
 
+def decoder_unsupported(base, decoder_type: str, family: str) -> str | None:
+    """What the fused forwards of both families need of the decoder itself: the family's class, the
+    tanh GELU, and RoPE tables per layer type (None: all there)."""
+    if type(base).__name__ != decoder_type:
+        return f"{type(base).__name__} is not a {family} decoder"
+    activation = getattr(base.config, "hidden_activation", None)
+    if activation != "gelu_pytorch_tanh":
+        return f"hidden_activation {activation!r}"
+    if not hasattr(base, "rotary_emb") or "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return "rotary embedding without per-layer-type tables"
+    return None
+
+
 def unsupported(model) -> str | None:
     """Why `FusedGemma3` cannot run this model (None: it can)."""
     base = model.get_decoder()
-    cfg = base.config
-    if type(base).__name__ != "Gemma3TextModel":
-        return f"{type(base).__name__} is not a Gemma 3 decoder"
-    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r}"
-    if not hasattr(base, "rotary_emb") or "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
-        return "rotary embedding without per-layer-type tables"
+    why = decoder_unsupported(base, "Gemma3TextModel", "Gemma 3")
+    if why is not None:
+        return why
     dtype = base.embed_tokens.weight.dtype
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -195,6 +204,28 @@ class FusedDecoder:
         """Whether a forward (or product) of `tokens` tokens launches its kernels with PDL."""
         return self.pdl and launch.worthwhile(tokens, self.embed.weight.shape[1])
 
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict, bool]:
+        """A forward's start: the embedded tokens h [T, hidden] (scaled by the embedding module),
+        the RoPE tables per layer type (`_tables`), and whether its kernels launch with PDL."""
+        h = self.embed(input_ids)
+        return h, self._tables(h, positions), self.pdl_for(input_ids.shape[0])
+
+    def _attend(self, qkv: torch.Tensor, L: LayerWeights, positions: torch.Tensor, tables: dict, step,
+                softcap: float | None, pdl: bool, *norm) -> torch.Tensor:
+        """A layer's attention from its fused projection qkv [T, ...]: Q and K norms and RoPE
+        (`norm`: the family's further `qk_norm_rope` arguments), then the step's row attention.
+        Returns [T, H * D]."""
+        if self.rope is None:
+            cos, sin = tables[L.layer_type]
+            q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, self.eps, *norm, pdl=pdl)
+        else:
+            inv_freq, scaling = self.rope[L.layer_type]
+            q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads, L.kv_heads,
+                                      self.eps, *norm, pdl=pdl)
+        a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                        L.scaling, softcap)  # [1, T, H, D]
+        return a.reshape(qkv.shape[0], -1)
+
     def _tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
         """Per layer type, the module's RoPE tables (cos, sin [T, D]) where the kernels cannot
         compute their entries themselves (`rope` None); else empty."""
@@ -237,23 +268,12 @@ class FusedGemma3(FusedDecoder):
                 logits_index: torch.Tensor | None) -> torch.Tensor:
         """Same contract as `hf_adapter.forward`: logits [n, vocab] (float32) of the tokens at
         `logits_index` (None: all), attention through `step`."""
-        T = input_ids.shape[0]
-        h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
-        tables = self._tables(h, positions)
-        eps, pdl = self.eps, self.pdl_for(T)
+        h, tables, pdl = self._embed(input_ids, positions)
+        eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl)
         for n, L in enumerate(self.layers):
-            qkv = self._project(x, L, "wqkv")
-            if self.rope is None:
-                cos, sin = tables[L.layer_type]
-                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps, pdl=pdl)
-            else:
-                inv_freq, scaling = self.rope[L.layer_type]
-                q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
-                                          L.kv_heads, eps, pdl=pdl)
-            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                            L.scaling, L.softcap)  # [1, T, H, D]
-            o = self._project(a.reshape(T, -1), L, "wo")
+            a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
+            o = self._project(a, L, "wo")
             h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl)
             m = gelu_mul(self._project(x, L, "wgu"), pdl=pdl)
             d = self._project(m, L, "wd")

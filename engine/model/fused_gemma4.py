@@ -23,7 +23,6 @@ why).
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -32,11 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import hf_adapter
-from engine.model.fused_forward import FusedDecoder, LayerWeights, layer_weights, plain_linear
+from engine.model.fused_forward import FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plain_linear
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe
-from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, qk_norm_rope, qk_norm_rope_at, rmsnorm
+from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
 from engine.kernels.small_linear import gemv, plan_gemv
 
 log = logging.getLogger(__name__)
@@ -74,15 +73,11 @@ def _norm_with(m, scale: bool) -> bool:
 def unsupported(model) -> str | None:
     """Why `FusedGemma4` cannot run this model (None: it can)."""
     base = model.get_decoder()
-    cfg = base.config
-    if type(base).__name__ != "Gemma4TextModel":
-        return f"{type(base).__name__} is not a Gemma 4 text decoder"
-    if getattr(cfg, "hidden_size_per_layer_input", 0):
+    why = decoder_unsupported(base, "Gemma4TextModel", "Gemma 4 text")
+    if why is not None:
+        return why
+    if getattr(base.config, "hidden_size_per_layer_input", 0):
         return "per-layer input embeddings"
-    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r}"
-    if not hasattr(base, "rotary_emb") or "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
-        return "rotary embedding without per-layer-type tables"
     dtype = base.embed_tokens.weight.dtype
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -181,24 +176,14 @@ class FusedGemma4(FusedDecoder):
                 logits_index: torch.Tensor | None) -> torch.Tensor:
         """Same contract as `hf_adapter.forward`: logits [n, vocab] (float32) of the tokens at
         `logits_index` (None: all), attention through `step`."""
-        T = input_ids.shape[0]
-        h = self.embed(input_ids)  # [T, hidden], scaled by the embedding module
-        tables = self._tables(h, positions)
-        eps, pdl = self.eps, self.pdl_for(T)
+        h, tables, pdl = self._embed(input_ids, positions)
+        eps = self.eps
         x = rmsnorm(h, self.layers[0].in_norm, eps, 0.0, pdl)
         for n, L in enumerate(self.layers):
-            qkv = self._project(x, L.wqkv, "wqkv")
-            if self.rope is None:
-                cos, sin = tables[L.layer_type]
-                q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, eps, 0.0, True,
-                                       L.v_from_k, pdl)
-            else:
-                inv_freq, scaling = self.rope[L.layer_type]
-                q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads,
-                                          L.kv_heads, eps, 0.0, True, L.v_from_k, pdl)
-            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                            L.scaling, None)  # [1, T, H, D]
-            o = self._project(a.reshape(T, -1), L.wo, "wo")
+            # offset 0 norms, V's scale-free norm, V from K where the layer has no V projection
+            a = self._attend(self._project(x, L.wqkv, "wqkv"), L, positions, tables, step, None, pdl,
+                             0.0, True, L.v_from_k)
+            o = self._project(a, L.wo, "wo")
             X = L.experts
             if X is None:
                 h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0, pdl=pdl)
