@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 import torch
 
-from engine.core import session_sync
 from engine.core.config import EngineConfig
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -91,7 +90,7 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
-        # an SQLite file, or a PostgreSQL store shared by replicas (core/session_sync.py)
+        # an SQLite file, or a PostgreSQL store shared by replicas (the table asks it through SharedStore)
         db = open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed)
@@ -154,10 +153,10 @@ class Engine:
 
     def expire_idle(self, ttl_seconds: float) -> list[str]:
         """Evict sessions idle for longer than `ttl_seconds`; returns their ids."""
-        old = session_sync.expired(self.sessions, ttl_seconds)
+        old = self.sessions.expired(ttl_seconds)
         for s in old:
             self._end_session(s, evicted_because="ttl")
-        session_sync.expired_done(self.sessions, old)
+        self.sessions.expired_done(old)
         return [s.session_id for s in old]
 
     def _end_session(self, s: Session, evicted_because: str | None = None) -> None:
@@ -174,7 +173,7 @@ class Engine:
         history = self.sessions.history(session) if session is not None else []
         live = self.planner.plan(request, session, history)
         if session is not None:
-            session_sync.begin_turn(self.sessions, session)
+            self.sessions.begin_turn(session)
         # valid: from here on the request is committed
         if live.diverged:
             self.sessions.reset(session)
@@ -428,7 +427,7 @@ class Engine:
         if session is not None:
             session.busy = None
             session.last_used = time.monotonic()
-            session_sync.end_turn(self.sessions, session)
+            self.sessions.end_turn(session)
         new_ids = [last_token] if last_token is not None else []
         return self._output(live, new_ids, reason, error)
 

@@ -28,8 +28,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
-from engine.core import session_sync
-from engine.core.session_db import STORE_ERRORS, PostgresSessionDB, SessionDB
+from engine.core.session_db import STORE_ERRORS, PostgresSessionDB, SessionDB, StoredSession
+from engine.core.session_sync import Idle, SharedStore
 from engine.core.types import EngineError
 from engine.kv.rows import RowPool, SwappedRow
 
@@ -78,6 +78,7 @@ class SessionTable:
         # Bounded; a later lookup of such an id raises `session_evicted`.
         self.evicted: OrderedDict[str, str] = OrderedDict()
         self.swapped_bytes = 0  # host bytes of swapped rows
+        self.sync = SharedStore(db, stats)  # asked only where the store is shared by replicas
         if db is not None:
             self._load()
 
@@ -104,14 +105,75 @@ class SessionTable:
 
     def _load(self) -> None:
         stored, others = self.db.load()
-        now_wall, now = time.time(), time.monotonic()
         for st in stored:
-            self.sessions[st.session_id] = Session(
-                st.session_id, owner=st.owner, tokens=None, num_tokens=st.num_tokens, num_turns=st.num_turns,
-                last_used=now - max(0.0, now_wall - st.last_used))
-            self.owned[st.owner] += 1
+            self._adopt(st)
         log.info("session store %s: %d sessions loaded%s", self.db.path, len(stored),
                  f", {others} stored under another model or KV policy left as they are" if others else "")
+
+    def _adopt(self, st: StoredSession) -> None:
+        """A stored session enters the table; its history is read on its first turn."""
+        last_used = time.monotonic() - max(0.0, time.time() - st.last_used)
+        self.sessions[st.session_id] = Session(st.session_id, owner=st.owner, tokens=None, num_tokens=st.num_tokens,
+                                               num_turns=st.num_turns, last_used=last_used)
+        self.owned[st.owner] += 1
+        self.evicted.pop(st.session_id, None)
+
+    def _forget(self, s: Session) -> None:
+        """Drop this table's copy of a session; the shared store keeps (or already dropped) it."""
+        self.discard(s)
+        del self.sessions[s.session_id]
+        self.owned[s.owner] -= 1
+        self.db.forget(s.session_id)
+
+    # ---- a store shared by replicas ----------------------------------------------------------
+    def refresh(self, session_id: str) -> None:
+        """Bring the entry for `session_id` in line with a shared store: adopt a session created
+        or continued elsewhere, forget one deleted elsewhere, and drop the row and history of one
+        whose transcript moved on elsewhere (the next turn reads it and rebuilds the row)."""
+        if not self.sync.shared:
+            return
+        local = self.sessions.get(session_id)
+        if local is not None and local.busy is not None:
+            return  # a turn of ours holds the lease: nothing else can have changed it
+        stored = self.sync.read(session_id)
+        if stored is None:
+            if local is not None and local.durable:
+                self._forget(local)
+        elif local is None:
+            self._adopt(stored)
+        elif local.tokens is not None and self.sync.changed_elsewhere(session_id, stored.version):
+            self.discard(local)
+            local.tokens, local.forwards = None, []
+            local.num_tokens, local.num_turns = stored.num_tokens, stored.num_turns
+
+    def begin_turn(self, s: Session) -> None:
+        """The session's lease for a turn about to be queued (`session_busy` if another replica
+        holds it or committed a turn since this table read the session)."""
+        self.sync.begin_turn(s.session_id, history_loaded=s.tokens is not None)
+
+    def end_turn(self, s: Session) -> None:
+        self.sync.end_turn(s.session_id)
+
+    def expired(self, ttl_seconds: float) -> list[Session]:
+        """Sessions to evict for idling longer than the TTL. On a shared store: those idle here and
+        in the store (returned under their lease: `expired_done` gives it back) or held here only;
+        a session idle here but used elsewhere is only dropped from this table."""
+        if not self.sync.shared:
+            return self.idle_since(ttl_seconds)
+        evict = []
+        for s in self.idle_since(ttl_seconds):
+            verdict = self.sync.claim_idle(s.session_id, ttl_seconds) if s.durable else Idle.EVICT
+            if verdict is Idle.EVICT:
+                evict.append(s)
+            elif verdict is Idle.FORGET:
+                self._forget(s)
+        return evict
+
+    def expired_done(self, evicted: list[Session]) -> None:
+        """The sessions `expired` returned are evicted: their leases go back."""
+        for s in evicted:
+            if s.durable:
+                self.sync.end_turn(s.session_id)
 
     # ---- lookup -------------------------------------------------------------------------------
     def find(self, session_id: str) -> Session | None:
@@ -120,7 +182,7 @@ class SessionTable:
     def get(self, session_id: str, owner: str | None) -> Session:
         """The session, for its owner: another owner's session is indistinguishable from a
         missing one."""
-        session_sync.refresh(self, session_id)
+        self.refresh(session_id)
         s = self.sessions.get(session_id)
         if s is not None and s.owner != owner:
             s = None
