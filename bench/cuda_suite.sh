@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|cluster]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -49,6 +49,10 @@ case "${2:-}" in
     shape=gemma3-1b; [ "$2" = serve-4b ] && shape=gemma3-4b
     python3 -m bench.serve --shape $shape ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda --dtype bfloat16 \
       --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 --out "$OUT" --tag served ;;
+  cluster)  # s5serve serve, then s5serve cluster with 1 and 2 replicas sharing this GPU (Ray Serve)
+    python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
+      --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \
+      --targets serve cluster:1 cluster:2 --out "$OUT" --tag cluster ;;
   regress)  # this tree against BEFORE (a directory holding an earlier tree), the engine alone, same run
     run_tests
     for shape in gemma3-1b gemma3-4b; do

@@ -250,7 +250,12 @@ def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serv
     es = engine_settings(a, n)
     command = ["serve"]
     if target.startswith("cluster:"):
-        command = ["cluster", "--replicas", target.split(":", 1)[1], "--replica-cpus", "0"]
+        replicas = int(target.split(":", 1)[1])
+        command = ["cluster", "--replicas", str(replicas), "--replica-cpus", "0"]
+        if a.device == "cuda":  # more replicas than GPUs share them (two on one GPU: 0.5 each)
+            import torch
+
+            command += ["--replica-gpus", str(min(1.0, torch.cuda.device_count() / replicas))]
     args = [sys.executable, "-m", "service.cli", *command, "--model", spec, "--device", a.device, "--dtype", a.dtype,
             "--quantization", a.quantization or "none", "--rows", str(es["max_rows"]),
             "--max-num-batched-tokens", str(es["max_num_batched_tokens"]), "--kv-cache-bytes", str(es["kv_cache_bytes"]),
