@@ -294,8 +294,8 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
-# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps); the K split of each
-# is `launch_for`'s rule (about two programs per SM)
+# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps; 3 pipeline stages, and
+# 4 too at one row); the K split of each is `launch_for`'s rule (about two programs per SM)
 NF4_CANDIDATES = {
     1: ((1, 32, 512, 4), (1, 16, 512, 4), (1, 64, 256, 4), (1, 32, 256, 2)),
     2: ((2, 16, 512, 4), (2, 32, 256, 4), (16, 32, 256, 4)),
@@ -335,7 +335,7 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict]:
         pdl = pdl_for is not None and pdl_for(m)
         best = None
         for cand in cands:
-            for stages in (3, 4):
+            for stages in ((3, 4) if m == 1 else (3,)):
                 cfg = _with_split(cand, m, n, k, sms, stages)
                 try:
                     t = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
