@@ -68,7 +68,7 @@ test: install
 
 # The CUDA kernels' logic on the CPU, in Triton's interpreter (the CPU torch build has no Triton).
 test-kernels: install
-	$(BIN)/pip install -q "triton==3.9.0"
+	$(BIN)/pip install -q "triton==3.9.0" "bitsandbytes>=0.50"
 	$(BIN)/python -m pytest -q -m interpret -s tests/kernels
 
 bench: install

@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|cluster]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -16,10 +16,18 @@ fi
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null || echo "bitsandbytes: not installed"
 run_tests() {
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -s 2>&1 | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py tests/equivalence/test_cuda_nf4.py -s 2>&1 \
+    | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
 }
 case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
+  nf4)  # the NF4 kernels against bitsandbytes, their products per projection, then 4-bit decode on
+    # the engine's kernels (fused) against bitsandbytes' own forward (stock), same run
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda_nf4.py tests/equivalence/test_cuda.py \
+      -k "nf4 or bnb4" -s 2>&1 | tee "$OUT/cuda-tests-nf4.log" | grep -v "^\.$"
+    python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 64 --out "$OUT" 2>&1 | tee "$OUT/nf4-kernels.log"
+    python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers stock fused \
+      --policies s5 --n 1 64 --out "$OUT" --tag nf4 ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

@@ -318,6 +318,7 @@ def main() -> None:
     weights = a.weights or (["float32", "int8"] if a.device == "cpu" and not a.shape else ["float32"])
     engines: dict[str, object] = {}
     hf_for: dict[str, object] = {}  # HF baseline per engine weights, where it differs from `hf`
+    stock_for: dict[str, object] = {}  # the model the stock layers run, where not the engine's
     if a.shape:
         from engine.model.loader import LoadedModel
 
@@ -330,6 +331,10 @@ def main() -> None:
 
             engines["bnb-4bit"] = LoadedModel(quantize_bnb4(copy.deepcopy(model), dtype), None, a.shape)
             hf_for["bnb-4bit"] = quantize_bnb4(copy.deepcopy(hf), dtype)
+            if {"fused", "stock"} <= set(a.layers):
+                # the fused forward's first build repacks the 4-bit linears into the engine's NF4
+                # linears (model/nf4_linear.py); the stock layers run bitsandbytes' own on a copy
+                stock_for["bnb-4bit"] = LoadedModel(quantize_bnb4(copy.deepcopy(model), dtype), None, a.shape)
         if "float32" not in weights:
             del engines["float32"]
     else:
@@ -360,13 +365,14 @@ def main() -> None:
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
             for layers, overlap, pdl, policy in [(x, o, d, p) for x in a.layers for o in a.overlap for d in a.pdl
                                                  for p in policies]:
-                res = run_engine(eng, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
+                ran = stock_for.get(w, eng) if layers == "stock" else eng
+                res = run_engine(ran, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
                                  overlap_steps=overlap == "on", pdl=pdl == "on")
                 layers = res.pop("layers")
                 pdl = "on" if res.pop("pdl") else "off"  # on: asked for and supported by the device
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
-                    floor = n / ((step_weight_bytes(eng.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
+                    floor = n / ((step_weight_bytes(ran.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
                 row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "pdl": pdl, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,

@@ -24,8 +24,12 @@ small forwards do this (`launch.worthwhile`); larger ones measured slower with i
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
 works. Only a model whose every layer has the stock Gemma 3 structure with plain bias-free
-`nn.Linear` projections is taken (`build` says why not otherwise, and the engine keeps the stock
-forward): quantized linears and other families run through `hf_adapter.forward`.
+`nn.Linear` projections, or NF4 linears (bitsandbytes 4-bit weights repacked at preparation,
+nf4_linear.py), is taken (`build` says why not otherwise, and the engine keeps the stock
+forward): other quantized linears and other families run through `hf_adapter.forward`. NF4
+projections run the fused dequantize-and-multiply kernel of kernels/nf4.py at decode batch sizes
+(its launch per row count timed on the model's weights, `plan_nf4`) and the library's product on
+the dequantized weight for prefill chunks.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from engine.model import hf_adapter
 from engine.kernels import launch
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
+from engine.kernels import nf4
+from engine.kernels.nf4 import NF4Weight, plan_nf4
 from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
+from engine.model.nf4_linear import NF4Linear, fuse_nf4_rows
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +60,11 @@ class LayerWeights:
 
     index: int
     layer_type: str
-    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden] (Gemma 4 without a V projection: [(H + Hkv) D, hidden])
-    wo: torch.Tensor
-    wgu: torch.Tensor  # [2 I, hidden]
-    wd: torch.Tensor
+    # the projections: full-precision weights, or all NF4 weights (bitsandbytes 4-bit models)
+    wqkv: torch.Tensor | NF4Weight  # [(H + 2 Hkv) D, hidden] (Gemma 4 without a V projection: [(H + Hkv) D, hidden])
+    wo: torch.Tensor | NF4Weight
+    wgu: torch.Tensor | NF4Weight  # [2 I, hidden]
+    wd: torch.Tensor | NF4Weight
     in_norm: torch.Tensor
     post_attn: torch.Tensor
     pre_ff: torch.Tensor
@@ -91,6 +99,16 @@ def plain_linear(m) -> bool:
     return (type(m) is nn.Linear and m.bias is None) or type(m) is SmallBatchLinear
 
 
+def projections_unsupported(linears: list, dtype: torch.dtype) -> str | None:
+    """What a fused forward needs of a layer's projections: all plain bias-free linears of the
+    model's dtype, or all NF4 linears computing in it (None: so they are)."""
+    if all(plain_linear(m) and m.weight.dtype == dtype for m in linears):
+        return None
+    if all(type(m) is NF4Linear and m.dtype == dtype for m in linears):
+        return None
+    return "projections are neither plain bias-free linears of the model's dtype nor NF4 linears in it"
+
+
 def _gemma_norm(m) -> bool:
     """Gemma's (1 + w) RMSNorm (also the stock path's fused CUDA substitute for it)."""
     return type(m).__name__ == "Gemma3RMSNorm" or (type(m) is FusedRMSNorm and m.offset == 1.0)
@@ -119,8 +137,9 @@ def unsupported(model) -> str | None:
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(plain_linear(m) and m.weight.dtype == dtype for m in linears):
-            return "projections are not plain bias-free linears of the model's dtype (quantized?)"
+        why = projections_unsupported(linears, dtype)
+        if why is not None:
+            return why
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
         if not all(_gemma_norm(n) for n in norms):
@@ -163,8 +182,11 @@ def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Te
     return out
 
 
-def fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
-    """One [sum(out), in] weight; each linear's weight becomes a view of its rows."""
+def fuse_rows(linears: list) -> torch.Tensor | NF4Weight:
+    """One [sum(out), in] weight; each linear's weight becomes a view of its rows (NF4 linears:
+    one NF4 weight, fuse_nf4_rows)."""
+    if all(type(m) is NF4Linear for m in linears):
+        return fuse_nf4_rows(linears)
     fused = torch.cat([m.weight.detach() for m in linears], dim=0)
     lo = 0
     for m in linears:
@@ -172,6 +194,22 @@ def fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
         m.weight = nn.Parameter(fused[lo: lo + n], requires_grad=False)
         lo += n
     return fused
+
+
+def plan_projection(weights: list, pdl_for) -> dict[int, dict]:
+    """The launches per row count for one projection of every layer (same-shaped weights): NF4
+    weights' `plan_nf4`, else `plan_gemv`'s few-row products that beat the library's."""
+    if isinstance(weights[0], NF4Weight):
+        return plan_nf4(weights, pdl_for=pdl_for)
+    return plan_gemv(weights, pdl_for=pdl_for)
+
+
+def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for) -> torch.Tensor:
+    """x [T, in] @ w^T with `plan_projection`'s plan for w's projection."""
+    if isinstance(w, NF4Weight):
+        return nf4.linear(x, w, plan, pdl_for(x.shape[0]))
+    cfg = plan.get(x.shape[0])
+    return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl_for(x.shape[0]))
 
 
 class FusedDecoder:
@@ -247,7 +285,7 @@ class FusedGemma3(FusedDecoder):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
         # reads the weight faster than the library's product; measured here, on this GPU
-        self.plans = {name: plan_gemv([getattr(L, name) for L in self.layers], pdl_for=self.pdl_for)
+        self.plans = {name: plan_projection([getattr(L, name) for L in self.layers], self.pdl_for)
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})
@@ -259,9 +297,7 @@ class FusedGemma3(FusedDecoder):
         return _Layer(**common, softcap=attn.attn_logit_softcapping)
 
     def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
-        cfg = self.plans[name].get(x.shape[0])
-        w = getattr(L, name)
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl_for(x.shape[0]))
+        return project(x, getattr(L, name), self.plans[name], self.pdl_for)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,

@@ -18,7 +18,9 @@ layer this forward runs:
 Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts module (its
 grouped products have whole tiles of tokens per expert there). Models with per-layer input
 embeddings or layers that share another layer's K/V keep the stock forward (`unsupported` says
-why).
+why). bitsandbytes 4-bit models run their projections and routers on the NF4 kernels
+(kernels/nf4.py, as in fused_forward.py); their experts, which bitsandbytes leaves in the
+model's dtype (it quantizes `nn.Linear` modules only), run the experts kernels as they are.
 """
 
 from __future__ import annotations
@@ -27,16 +29,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model import hf_adapter
-from engine.model.fused_forward import FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plain_linear
+from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plan_projection,
+                                        project, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
-from engine.kernels.small_linear import gemv, plan_gemv
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,16 @@ def unsupported(model) -> str | None:
             return "layers that share another layer's K/V"
         linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         linears += [attn.v_proj] if attn.v_proj is not None else []
-        if not all(plain_linear(m) and m.weight.dtype == dtype for m in linears):
-            return "projections are not plain bias-free linears of the model's dtype (quantized?)"
+        why = projections_unsupported(linears, dtype)
+        if why is not None:
+            return why
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
         if getattr(layer, "enable_moe_block", False):
             norms += [layer.post_feedforward_layernorm_1, layer.post_feedforward_layernorm_2,
                       layer.pre_feedforward_layernorm_2]
             ex, router = layer.experts, layer.router
-            if not (plain_linear(router.proj) and _norm_with(router.norm, False)
+            if not (projections_unsupported([router.proj], dtype) is None and _norm_with(router.norm, False)
                     and isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)
                     and ex.gate_up_proj.dtype == dtype and ex.gate_up_proj.dim() == 3):
                 return "experts or router of another form (quantized?)"
@@ -148,7 +150,7 @@ class FusedGemma4(FusedDecoder):
                 groups.setdefault((name, tuple(w.shape)), []).append(w)
             if L.experts is not None:
                 groups.setdefault(("router", tuple(L.experts.router.shape)), []).append(L.experts.router)
-        self.plans = {key: plan_gemv(ws, pdl_for=self.pdl_for) for key, ws in groups.items()}
+        self.plans = {key: plan_projection(ws, self.pdl_for) for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
 
@@ -159,9 +161,8 @@ class FusedGemma4(FusedDecoder):
                                attn.k_proj.out_features // attn.head_dim)
         return _Layer(**common, scalar=layer.layer_scalar, v_from_k=attn.v_proj is None, experts=_experts(layer))
 
-    def _project(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-        cfg = self.plans[(name, tuple(w.shape))].get(x.shape[0])
-        return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=self.pdl_for(x.shape[0]))
+    def _project(self, x: torch.Tensor, w, name: str) -> torch.Tensor:
+        return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for)
 
     def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         logits = self._project(x_router, X.router, "router")

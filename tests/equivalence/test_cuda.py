@@ -300,7 +300,8 @@ def test_substituted_linears_keep_model_outputs():
 
 def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
     """bitsandbytes NF4 weights (quantized in memory from a bf16 random Gemma-3): the engine's
-    greedy tokens (captured decode graphs) agree with HF generate on the same quantized model."""
+    greedy tokens (captured decode graphs, the NF4 kernels) agree with HF generate on the same
+    quantized model (bitsandbytes' own forward)."""
     pytest.importorskip("bitsandbytes")
     from engine.model.loader import quantize_bnb4
 
@@ -315,6 +316,8 @@ def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
     cfg = EngineConfig(model="tiny-random", device="cuda", dtype="bfloat16", quantization="bnb-4bit",
                        kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=4)
     engine = Engine(cfg, LoadedModel(model, None, "tiny"))
+    # the fused forward on the engine's NF4 kernels (test_cuda_nf4.py holds them to bitsandbytes')
+    assert engine.runner.fused is not None and any(type(m).__name__ == "NF4Linear" for m in model.modules())
     out = run_all(engine, [Request(f"r{i}", p, greedy(32)) for i, p in enumerate(prompts)])
     assert engine.runner.decoder.steps > 20
     prefix = equal_prefix((out[f"r{i}"], hf_greedy(ref, p, 32)) for i, p in enumerate(prompts))

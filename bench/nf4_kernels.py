@@ -1,0 +1,107 @@
+"""The NF4 products of a decode step, measured on the GPU: per projection of a BENCH.md shape
+(QKV, O, gate/up, down) and row count, the engine's fused dequantize-and-multiply kernel with
+its timed plan (kernels/nf4.py), bitsandbytes' own `Linear4bit` forward on the same packed
+weights, and the library product on the weights dequantized to the compute dtype (what a
+full-precision model reads), each in us per product and GB/s of the bytes it must read, beside
+the measured copy bandwidth. Every candidate is timed from a CUDA graph that cycles over copies
+of its weights (256 MB or more in all) so that, as in a forward, they are not served from L2.
+
+    python -m bench.nf4_kernels [--shape gemma3-4b] [--n 1 8 64] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
+from engine.kernels import nf4
+from engine.kernels.small_linear import graph_ms
+
+ROTATE_BYTES = 256 << 20
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    s = SHAPES[shape]
+    hd, h, kv, hidden, inter = s["head_dim"], s["num_attention_heads"], s["num_key_value_heads"], s["hidden_size"], \
+        s["intermediate_size"]
+    return {"qkv": ((h + 2 * kv) * hd, hidden), "o": (hidden, h * hd), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter)}
+
+
+def timed(fn, calls: int) -> float | None:
+    """us per call of one replay of `calls` calls from a CUDA graph (None: not capturable)."""
+    try:
+        return graph_ms(fn, reps=1) * 1e3 / calls
+    except Exception as exc:  # e.g. a library path that syncs with the host
+        print(f"  (not timed: {type(exc).__name__}: {str(exc)[:80]})")
+        torch.cuda.synchronize()
+        return None
+
+
+@torch.no_grad()
+def main() -> None:
+    import bitsandbytes as bnb
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    dtype = torch.bfloat16
+    bw = copy_bandwidth("cuda") / 2  # read bytes per second of a copy
+    rows = []
+    print(f"copy bandwidth (read side) {bw / 1e9:.0f} GB/s")
+    print(f"{'proj':>8} {'N x K':>13} {'n':>3} {'nf4 us':>8} {'GB/s':>6} {'bnb us':>8} {'bf16 us':>8} "
+          f"{'vs bnb':>7} {'vs bf16':>7}  launch", flush=True)
+    for name, (n_out, k) in projections(a.shape).items():
+        nbytes = n_out * k // 2 + n_out * k // 64 * 4
+        copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
+        mods = []
+        for c in range(copies):
+            lin = bnb.nn.Linear4bit(k, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", device="cpu")
+            lin.weight = bnb.nn.Params4bit((torch.randn(n_out, k, device="cuda") * 0.02).to(dtype).cpu(),
+                                           requires_grad=False, quant_type="nf4")
+            mods.append(lin.cuda())
+        ws = [nf4.from_bnb(m.weight) for m in mods]
+        full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n_out * k * 2)))]]
+        plan = nf4.plan_nf4(ws)
+        for m in a.n:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            ours = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))
+            theirs = timed(lambda: [lin(x) for lin in mods], len(mods))
+            lib = timed(lambda: [F.linear(x, w) for w in full], len(full))
+            planned = [r for r in plan if r >= m]
+            cfg = plan[min(planned)] if planned else None
+            gbs = nbytes / (ours * 1e-6) / 1e9 if ours else None
+            row = {"projection": name, "out": n_out, "in": k, "rows": m, "nf4_us": ours, "nf4_gb_s": gbs,
+                   "bnb_us": theirs, "bf16_us": lib, "launch": cfg}
+            rows.append(row)
+
+            def f(v, w=8):
+                return f"{v:>{w}.1f}" if v else f"{'-':>{w}}"
+
+            print(f"{name:>8} {f'{n_out}x{k}':>13} {m:>3} {f(ours)} {f(gbs, 6)} {f(theirs)} {f(lib)} "
+                  f"{f(theirs / ours if ours and theirs else None, 6)}x {f(lib / ours if ours and lib else None, 6)}x"
+                  f"  {cfg}", flush=True)
+        mods = ws = full = []  # freed before the next projection's copies
+        torch.cuda.empty_cache()
+    result = {"bench": "nf4_kernels", "device": torch.cuda.get_device_name(), "shape": a.shape,
+              "copy_read_bandwidth_bytes_s": bw, "rows": rows,
+              "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__, "commit": git_commit(),
+                           "engine_source_sha256": source_digest()}}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"nf4-kernels-{a.shape}-{date.today().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The NF4 kernels (kernels/nf4.py) and the fused forwards on them, on a CUDA device with
+bitsandbytes (skipped without either): each kernel against bitsandbytes' own dequantize_4bit and
+the library product on the same packed weights, and the engine's greedy tokens on repacked 4-bit
+weights against the engine's stock layers on bitsandbytes' own Linear4bit forward."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import Engine, EngineConfig, Request
+from engine.kernels import nf4
+from engine.model.loader import LoadedModel, tiny_random_model
+from tests.helpers import greedy, run_all, tiny_gemma4
+from tests.scenarios import Recorder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def quantized(n: int, k: int, dtype, seed: int, **kw):
+    import bitsandbytes as bnb
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    return bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", **kw).cuda()
+
+
+def bnb_weight(p) -> torch.Tensor:
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(p.data, p.quant_state).reshape(p.quant_state.shape)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
+    """Every planned launch (NF4_CANDIDATES, with and without K splits), launch_for's and the
+    prefill path, at 1 to 300 rows, on Gemma-3 4B projection shapes and odd ones, against
+    dequantize_4bit + F.linear on the same packed weight; the dequantization itself bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2  # the reference's own output rounding dominates
+    worst = 0.0
+    shapes = [(4096, 2560, True), (2560, 10240, True), (333, 448, False), (20480, 2560, True)]
+    for i, (n, k, nested) in enumerate(shapes):
+        p = quantized(n, k, dtype, i, compress_statistics=nested)
+        want_w = bnb_weight(p)
+        w = nf4.from_bnb(p)
+        assert w.dtype == dtype and w.packed.data_ptr() == p.data.data_ptr()
+        assert torch.equal(nf4.dequantize(w), want_w), "the kernels decode bnb's weight bit for bit"
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for m in (1, 3, 8, 16, 33, 64, 100, 300):
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            want = F.linear(x, want_w)
+            launches = [None]  # nf4.linear without a plan: launch_for, or (300 rows) dequantize + F.linear
+            if i < 3:
+                for rows, cands in nf4.NF4_CANDIDATES.items():
+                    if rows >= m:
+                        launches += [nf4._with_split(c, m, n, k, sms, 3) for c in cands]
+                        break
+                launches.append(dict(nf4.launch_for(m, n, k, sms), split=1))
+            for launch in launches:
+                got = nf4.linear(x, w) if launch is None else nf4.nf4_matmul(x, w, **launch)
+                err = rel(got, want)
+                assert err < tol, (n, k, m, launch, err)
+                worst = max(worst, err)
+    print(f"nf4 {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
+
+
+def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
+    pytest.importorskip("bitsandbytes")
+    ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
+    plan = nf4.plan_nf4(ws)
+    assert set(nf4.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
+    print("plan:", {m: (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["stages"])
+                    for m, c in plan.items()})
+    for m in (1, 5, 64):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        eager = [nf4.linear(x, w, plan) for w in ws]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [nf4.linear(x, w, plan) for w in ws]
+        x.normal_()
+        graph.replay()
+        again = [nf4.linear(x, w, plan) for w in ws]
+        assert all(torch.equal(a, b) for a, b in zip(outs, again)) and not torch.equal(eager[0], again[0])
+
+
+def nf4_engines(family: str, dtype, fused: bool, max_rows: int = 8):
+    from engine.model.loader import quantize_bnb4
+
+    if family == "gemma3":
+        model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
+                                  num_attention_heads=4, num_key_value_heads=1).cuda()
+    else:  # widths that are whole groups of 64 everywhere
+        model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256, intermediate_size=128).to("cuda",
+                                                                                                          dtype)
+    model = quantize_bnb4(model, dtype)
+    cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], quantization="bnb-4bit",
+                       kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=max_rows,
+                       fused_layers=fused)
+    engine = Engine(cfg, LoadedModel(model, None, "tiny"))
+    kinds = {type(m).__name__ for m in model.get_decoder().layers.modules()}
+    if fused:  # every 4-bit linear repacked, the fused forward on them
+        assert engine.runner.fused is not None and "NF4Linear" in kinds and "Linear4bit" not in kinds
+    else:  # bitsandbytes' own forward
+        assert engine.runner.fused is None and "Linear4bit" in kinds and "NF4Linear" not in kinds
+    return engine
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_nf4_engine_greedy_tokens_equal_the_engine_on_bitsandbytes(family):
+    """The same NF4 weights: the engine's fused forward on the NF4 kernels (captured decode
+    graphs, batches of 1 to 4 rows, prefill chunks through the dequantized weights) against its
+    stock layers on bitsandbytes' Linear4bit. float32 compute: equal greedy tokens, logits to
+    float rounding; bfloat16: tokens equal up to rounding-driven divergence."""
+    pytest.importorskip("bitsandbytes")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 130, 77)]
+    for dtype in (torch.float32, torch.bfloat16):
+        outs, recs = {}, {}
+        for fused in (True, False):
+            engine = nf4_engines(family, dtype, fused)
+            recs[fused] = Recorder(engine)
+            outs[fused] = run_all(engine, [Request(f"r{i}", p, greedy(24)) for i, p in enumerate(prompts)],
+                                  {"r1": 3, "r2": 9})
+            assert engine.runner.decoder.steps > 10
+            engine.check_invariants()
+        prefix = 0
+        for r in outs[True]:
+            for a, b in zip(outs[True][r], outs[False][r]):
+                if a != b:
+                    break
+                prefix += 1
+        common = recs[True].logits.keys() & recs[False].logits.keys()
+        diff = max((recs[True].logits[k] - recs[False].logits[k]).abs().max().item() for k in common)
+        total = 24 * len(prompts)
+        print(f"nf4 {family} {dtype}: {prefix}/{total} tokens equal to bitsandbytes' path; max |logit diff| {diff:.2e}")
+        if dtype == torch.float32:
+            assert prefix == total and diff < 1e-3
+        else:
+            assert prefix >= 0.8 * total

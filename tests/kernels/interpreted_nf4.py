@@ -1,0 +1,160 @@
+"""The NF4 kernels (kernels/nf4.py) on the CPU through Triton's interpreter, against bitsandbytes'
+own dequantize and a float32 product on the same packed weights, and the fused Gemma 3 forward on
+them against the engine's stock layers on bitsandbytes' `Linear4bit`. Run by test_interpreted.py
+in a process of its own:
+
+    TRITON_INTERPRET=1 python -m tests.kernels.interpreted_nf4
+
+Float32 only (the interpreter truncates where the GPU rounds to nearest when it converts to
+bfloat16; bfloat16 is the GPU tests' part).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import Engine, EngineConfig, Request, SamplingParams
+from engine.kernels import fused_ops, nf4
+from engine.model import fused_forward, nf4_linear
+from engine.model.loader import LoadedModel, tiny_random_model
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+fused_ops._use_triton = nf4._use_triton = lambda x: True  # the kernels take CPU tensors here
+
+
+def quantized(w: torch.Tensor, **kw):
+    """bitsandbytes' Params4bit of w, quantized (on the CPU)."""
+    import bitsandbytes as bnb
+
+    return bnb.nn.Params4bit(w.clone(), requires_grad=False, **{"quant_type": "nf4", **kw}).to("cpu")
+
+
+def bnb_reference(p) -> torch.Tensor:
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(p.data, p.quant_state).reshape(p.quant_state.shape)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_kernels() -> float:
+    """Every kernel launch kind (FMA rows, tl.dot tiles, split K, several row tiles) at 1, 3, 16
+    and 64 rows against bnb's dequantize_4bit + matmul; returns the worst relative error."""
+    torch.manual_seed(0)
+    worst = 0.0
+    # widths of one group up to several, row counts off every block size; nested absmax and plain
+    for (n, k), nested in (((48, 192), True), ((33, 320), False), ((96, 64), True), ((20, 1088), True)):
+        p = quantized(torch.randn(n, k) * 0.05, compress_statistics=nested)
+        assert p.quant_state.nested == nested
+        want_w = bnb_reference(p)
+        w = nf4.from_bnb(p)
+        assert w.packed.data_ptr() == p.data.data_ptr(), "the packed bytes are bnb's own, not a copy"
+        assert torch.equal(nf4.dequantize_ref(w), want_w) and torch.equal(nf4.dequantize(w), want_w)
+        for m in (1, 3, 16, 64):
+            x = torch.randn(m, k)
+            want = x @ want_w.T
+            launches = [nf4.launch_for(m, n, k, 4),
+                        dict(block_m=16, block_n=16, block_k=128, split=3),
+                        dict(block_m=1 << (min(8, m) - 1).bit_length(), block_n=32, block_k=64, split=2)]
+            for launch in launches:
+                got = nf4.nf4_matmul(x, w, **launch)
+                assert got.shape == (m, n) and got.dtype == x.dtype
+                worst = max(worst, rel(got, want))
+        x = torch.randn(nf4.MAX_KERNEL_ROWS + 3, k)  # a prefill chunk: dequantize, then the library product
+        worst = max(worst, rel(nf4.linear(x, w), x @ want_w.T))
+        fused = nf4.fuse([w, nf4.from_bnb(quantized(torch.randn(8, k)))])
+        assert torch.equal(nf4.dequantize(fused)[:n], want_w)
+    # what the kernels refuse: other formats, groups, and rows that are not whole groups
+    for kw, shape in ((dict(quant_type="fp4"), (8, 128)), (dict(blocksize=128), (8, 128)), ({}, (8, 96))):
+        why = nf4.refusal(quantized(torch.randn(*shape), **kw))
+        assert why is not None, (kw, shape)
+        try:
+            nf4.from_bnb(quantized(torch.randn(*shape), **kw))
+            raise AssertionError("from_bnb took a weight it refuses")
+        except ValueError:
+            pass
+    w = nf4.from_bnb(quantized(torch.randn(8, 128)))
+    for bad in (torch.randn(2, 64), torch.randn(2, 128, dtype=torch.float64)):
+        try:
+            nf4.linear(bad, w)
+            raise AssertionError("a product of mismatched input taken")
+        except ValueError:
+            pass
+    return worst
+
+
+def quantize_cpu(model):
+    """Every decoder linear as a bitsandbytes Linear4bit (NF4, nested absmax), on the CPU, as
+    loader.quantize_bnb4 does on CUDA."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.get_decoder().layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, quant_type="nf4",
+                                      compute_dtype=torch.float32)
+                q.weight = quantized(child.weight.data)
+                setattr(parent, name, q)
+    return model
+
+
+def check_forward() -> tuple[bool, float, int]:
+    """The engine on the fused forward (repacked NF4 linears, the kernels) against the engine's
+    stock layers on bitsandbytes' own Linear4bit forward, greedy, several rows at once."""
+    outs, logits = [], []
+    for fused in (True, False):
+        model = quantize_cpu(tiny_random_model(7))
+        cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
+                           max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
+        eng = Engine(cfg, LoadedModel(model, None, "tiny-nf4"))
+        kinds = {type(m).__name__ for m in model.model.layers.modules()}
+        assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
+        assert ("NF4Linear" in kinds and "Linear4bit" not in kinds) if fused else ("NF4Linear" not in kinds)
+        seen = {}
+        eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
+        for i, n in enumerate((5, 23, 9)):
+            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=6,
+                                                                                             ignore_eos=True)))
+        out: dict[str, list[int]] = {}
+        while eng.has_work():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(out)
+        logits.append(seen)
+    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
+    return outs[0] == outs[1], diff, len(logits[1])
+
+
+def check_repack_keeps_what_it_refuses() -> None:
+    import bitsandbytes as bnb
+
+    model = quantize_cpu(tiny_random_model(8))
+    layer = model.model.layers[0]
+    q = bnb.nn.Linear4bit(64, 128, bias=False, quant_type="fp4", compute_dtype=torch.float32)
+    q.weight = quantized(torch.randn(128, 64), quant_type="fp4")
+    layer.mlp.up_proj = q
+    done = nf4_linear.repack(model)
+    total = 7 * len(model.model.layers)
+    assert done == total - 1 and type(layer.mlp.up_proj).__name__ == "Linear4bit", done
+    assert fused_forward.unsupported(model) is not None  # one layer's projections are of two kinds
+
+
+def main() -> None:
+    fused_forward._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
+    worst = check_kernels()
+    print(f"nf4 kernels vs bitsandbytes dequantize_4bit + matmul: worst relative error {worst:.1e}")
+    assert worst < 1e-5, worst
+    check_repack_keeps_what_it_refuses()
+    same, diff, steps = check_forward()
+    print(f"fused Gemma 3 forward on NF4 kernels vs stock layers on bitsandbytes: tokens equal {same}, "
+          f"max |logit diff| {diff:.1e} over {steps} steps")
+    assert same and diff < 1e-3
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
