@@ -367,7 +367,7 @@ def main() -> None:
                                                  for p in policies]:
                 ran = stock_for.get(w, eng) if layers == "stock" else eng
                 res = run_engine(ran, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
-                                 overlap_steps=overlap == "on", pdl=pdl == "on")
+                                 nf4_kernels=layers == "fused", overlap_steps=overlap == "on", pdl=pdl == "on")
                 layers = res.pop("layers")
                 pdl = "on" if res.pop("pdl") else "off"  # on: asked for and supported by the device
                 floor = None

@@ -165,6 +165,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "launch the engine's GPU kernels with programmatic dependent launch where the GPU "
            "supports it (small decode batches; results are the same either way)",
            parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
+    Option("--nf4-kernels", "engine.nf4_kernels",
+           "run bitsandbytes 4-bit models (--quantization bnb-4bit) on the engine's own NF4 "
+           "dequantize-and-multiply kernels in its fused forward, instead of bitsandbytes' layers",
+           parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
     # sessions
     Option("--session-db", "engine.session_db",
            "where session transcripts are kept, so sessions survive restarts: an SQLite file (one "

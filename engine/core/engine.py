@@ -84,7 +84,8 @@ class Engine:
         overlap = config.static_decode_batch > 0 and (
             config.overlap_steps if config.overlap_steps is not None else capture)
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
-                                  capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl)
+                                  capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl,
+                                  nf4=config.nf4_kernels)
         self.overlap = overlap
         self._pending: _Pending | None = None  # a static decode step launched, not yet applied
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)

@@ -1,9 +1,9 @@
 """Every change the engine makes to a loaded model, in one place (quantization aside, which the
 loader does as the weights arrive, loader.py): the engine's row attention registered with the
 stock forward, and the forward the runner calls. That is the family's fused forward where it
-takes the model (it reads the weights and changes no module, except that bitsandbytes 4-bit
-linears are first repacked once into the engine's NF4 linears, nf4_linear.py, whose kernels it
-runs; the stock forward keeps bitsandbytes' own), else the stock forward, with its
+takes the model (it reads the weights and changes no module, except that with `nf4` bitsandbytes
+4-bit linears are first repacked once into the engine's NF4 linears, nf4_linear.py, whose kernels
+it runs; otherwise 4-bit models keep bitsandbytes' own layers and the stock forward), else the stock forward, with its
 CUDA module substitutions: fused RMSNorms, few-row linears and grouped experts, each checked
 against the module it replaces or measured faster. A module a substitution already replaced (an
 engine built earlier on the same model) is left as it is."""
@@ -29,12 +29,14 @@ class Prepared(NamedTuple):
     capturable: bool  # decode steps may be captured as CUDA graphs
 
 
-def prepare(model, device: torch.device, fused: bool, pdl: bool) -> Prepared:
+def prepare(model, device: torch.device, fused: bool, pdl: bool, nf4: bool = False) -> Prepared:
     """The forward to run `model` with on `device`. `fused`: the engine's own layer forward where
-    the model allows it; `pdl`: its kernels launched with PDL (the device supports it)."""
+    the model allows it; `pdl`: its kernels launched with PDL (the device supports it); `nf4`:
+    bitsandbytes 4-bit linears repacked for the engine's NF4 kernels first."""
     hf_adapter.use_row_attention(model)
     if fused:
-        nf4_linear.repack(model)
+        if nf4:
+            nf4_linear.repack(model)
         gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
         decoder = (fused_gemma4 if gemma4 else fused_forward).build(model, pdl)
         if decoder is not None:

@@ -101,7 +101,7 @@ def nf4_engines(family: str, dtype, fused: bool, max_rows: int = 8):
     model = quantize_bnb4(model, dtype)
     cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], quantization="bnb-4bit",
                        kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=max_rows,
-                       fused_layers=fused)
+                       fused_layers=fused, nf4_kernels=fused)
     engine = Engine(cfg, LoadedModel(model, None, "tiny"))
     kinds = {type(m).__name__ for m in model.get_decoder().layers.modules()}
     if fused:  # every 4-bit linear repacked, the fused forward on them
