@@ -24,12 +24,14 @@ small forwards do this (`launch.worthwhile`); larger ones measured slower with i
 The fused weights are built once by concatenating the stock weights; the stock modules' weights
 are then rebound as views of them, so the model holds each weight once and its own forward still
 works. Only a model whose every layer has the stock Gemma 3 structure with plain bias-free
-`nn.Linear` projections, or NF4 linears (bitsandbytes 4-bit weights repacked at preparation,
-nf4_linear.py), is taken (`build` says why not otherwise, and the engine keeps the stock
-forward): other quantized linears and other families run through `hf_adapter.forward`. NF4
-projections run the fused dequantize-and-multiply kernel of kernels/nf4.py at decode batch sizes
-(its launch per row count timed on the model's weights, `plan_nf4`) and the library's product on
-the dequantized weight for prefill chunks.
+`nn.Linear` projections, NF4 linears (bitsandbytes 4-bit weights repacked at preparation,
+nf4_linear.py) or the CPU's int8 linears (quant.py) is taken (`build` says why not otherwise, and
+the engine keeps the stock forward): other quantized linears and other families run through
+`hf_adapter.forward`. NF4 projections run the fused dequantize-and-multiply kernel of
+kernels/nf4.py at decode batch sizes (its launch per row count timed on the model's weights,
+`plan_nf4`) and the library's product on the dequantized weight for prefill chunks; int8
+projections run the int8 kernel (widened to float32 for BLAS at prefill row counts), their Q/K/V
+and gate/up rows fused like the others'.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from engine.kernels import nf4
 from engine.kernels.nf4 import NF4Weight, plan_nf4
 from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
 from engine.model.nf4_linear import NF4Linear, fuse_nf4_rows
+from engine.model.quant import Int8Linear, Int8Weight, fuse_int8
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,12 @@ class LayerWeights:
 
     index: int
     layer_type: str
-    # the projections: full-precision weights, or all NF4 weights (bitsandbytes 4-bit models)
-    wqkv: torch.Tensor | NF4Weight  # [(H + 2 Hkv) D, hidden] (Gemma 4 without a V projection: [(H + Hkv) D, hidden])
-    wo: torch.Tensor | NF4Weight
-    wgu: torch.Tensor | NF4Weight  # [2 I, hidden]
-    wd: torch.Tensor | NF4Weight
+    # the projections: full-precision weights, or all NF4 weights (bitsandbytes 4-bit models), or
+    # all int8 weights (the CPU's int8 models, quant.py)
+    wqkv: torch.Tensor | NF4Weight | Int8Weight  # [(H + 2 Hkv) D, hidden] (Gemma 4 without V: [(H + Hkv) D, hidden])
+    wo: torch.Tensor | NF4Weight | Int8Weight
+    wgu: torch.Tensor | NF4Weight | Int8Weight  # [2 I, hidden]
+    wd: torch.Tensor | NF4Weight | Int8Weight
     in_norm: torch.Tensor
     post_attn: torch.Tensor
     pre_ff: torch.Tensor
@@ -106,7 +110,9 @@ def projections_unsupported(linears: list, dtype: torch.dtype) -> str | None:
         return None
     if all(type(m) is NF4Linear and m.dtype == dtype for m in linears):
         return None
-    return "projections are neither plain bias-free linears of the model's dtype nor NF4 linears in it"
+    if dtype == torch.float32 and all(type(m) is Int8Linear and m.bias is None for m in linears):
+        return None
+    return "projections are neither plain bias-free linears of the model's dtype nor NF4 or int8 linears in it"
 
 
 def _gemma_norm(m) -> bool:
@@ -182,11 +188,17 @@ def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Te
     return out
 
 
-def fuse_rows(linears: list) -> torch.Tensor | NF4Weight:
+def fuse_rows(linears: list) -> torch.Tensor | NF4Weight | Int8Weight:
     """One [sum(out), in] weight; each linear's weight becomes a view of its rows (NF4 linears:
-    one NF4 weight, fuse_nf4_rows)."""
+    one NF4 weight, fuse_nf4_rows; int8 linears: one int8 weight, fuse_int8)."""
     if all(type(m) is NF4Linear for m in linears):
         return fuse_nf4_rows(linears)
+    if all(type(m) is Int8Linear for m in linears):
+        fused, lo = fuse_int8([m.weight for m in linears]), 0
+        for m in linears:
+            m.rebind(fused.rows(lo, lo + m.out_features))
+            lo += m.out_features
+        return fused
     fused = torch.cat([m.weight.detach() for m in linears], dim=0)
     lo = 0
     for m in linears:
@@ -201,6 +213,8 @@ def plan_projection(weights: list, pdl_for) -> dict[int, dict]:
     weights' `plan_nf4`, else `plan_gemv`'s few-row products that beat the library's."""
     if isinstance(weights[0], NF4Weight):
         return plan_nf4(weights, pdl_for=pdl_for)
+    if isinstance(weights[0], Int8Weight):
+        return {}  # one kernel for every row count (quant.py)
     return plan_gemv(weights, pdl_for=pdl_for)
 
 
@@ -208,6 +222,8 @@ def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict],
     """x [T, in] @ w^T with `plan_projection`'s plan for w's projection."""
     if isinstance(w, NF4Weight):
         return nf4.linear(x, w, plan, pdl_for(x.shape[0]))
+    if isinstance(w, Int8Weight):
+        return w.matmul(x.contiguous())
     cfg = plan.get(x.shape[0])
     return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl_for(x.shape[0]))
 

@@ -23,6 +23,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,10 +119,62 @@ def unpack_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(b * 8, kb * 8)[:n]
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """An int8 weight as a product reads it: the kernel's packed layout, one float32 scale per
+    output row, and, for weights small enough to widen cheaply (not the output layer), a row-major
+    copy that large row counts widen for one BLAS matmul. Without a kernel, `widened` holds the
+    int8-rounded weight in float32 (the same results at float32 speed)."""
+
+    packed: torch.Tensor  # pack_rows(q): [N8/8, K/8, 8, 8] int8
+    scale: torch.Tensor  # [N] float32
+    qrows: torch.Tensor | None  # [N, K] int8 row-major, or None
+    widened: torch.Tensor | None  # [N, K] float32 where no kernel runs, else None
+    kernel: Q8Kernel | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.packed.shape[1] * 8
+
+    def dequantized(self) -> torch.Tensor:
+        q = self.qrows if self.qrows is not None else unpack_rows(self.packed, self.shape[0])
+        return q * self.scale[:, None]  # int8 * float32 -> float32 in one pass
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> x @ (q * scale).T, [M, N] float32."""
+        if self.widened is not None:
+            return x @ self.widened.T
+        if self.qrows is not None and x.shape[0] >= BLAS_MIN_ROWS:
+            return x @ self.dequantized().T
+        return self.kernel.matmul(x, self.packed, self.scale)
+
+    def rows(self, lo: int, hi: int) -> Int8Weight:
+        """Output rows lo:hi (multiples of 8 where they fall inside the weight), as views."""
+        assert lo % 8 == 0 and (hi % 8 == 0 or hi == self.shape[0])
+        cut = (lambda t: None if t is None else t[lo:hi])
+        return Int8Weight(self.packed[lo // 8: -(-hi // 8)], self.scale[lo:hi], cut(self.qrows), cut(self.widened),
+                          self.kernel)
+
+
+def fuse_int8(weights: list[Int8Weight]) -> Int8Weight:
+    """One weight of the weights' output rows in order (each but the last a multiple of 8 rows, so
+    the packed blocks line up). Each output row's product is the same as in its own weight."""
+    if any(w.shape[0] % 8 for w in weights[:-1]) or len({w.shape[1] for w in weights}) != 1:
+        raise ValueError("int8 weights fuse along whole blocks of 8 rows of one width")
+    both = (lambda name: None if any(getattr(w, name) is None for w in weights)
+            else torch.cat([getattr(w, name) for w in weights]))
+    n = sum(w.shape[0] for w in weights)
+    packed = torch.cat([w.packed for w in weights])
+    if n <= BLAS_MAX_WEIGHTS // weights[0].shape[1]:
+        qrows = both("qrows")
+    else:
+        qrows = None
+    return Int8Weight(packed, torch.cat([w.scale for w in weights]), qrows, both("widened"), weights[0].kernel)
+
+
 class Int8Linear(nn.Module):
-    """y = x @ (qweight * scale).T (+ bias), float32 in and out. Without a kernel (no compiler,
-    or a CPU without AVX2/FMA), the int8-rounded weights are held widened to float32: the same
-    results at float32 speed."""
+    """y = x @ (qweight * scale).T (+ bias), float32 in and out, on an `Int8Weight` (`weight`)
+    over the module's buffers."""
 
     def __init__(self, linear: nn.Linear, kernel: Q8Kernel | None) -> None:
         super().__init__()
@@ -133,24 +186,24 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
-        self.blas_min_rows = BLAS_MIN_ROWS if q.numel() <= BLAS_MAX_WEIGHTS else None
         # row-major int8 beside the packed copy, so widening for BLAS is one pass (small weights only)
-        self.qrows = q if self.blas_min_rows is not None else None
-        self.widened = None if kernel is not None else self.dequantized()
+        self.qrows = q if q.numel() <= BLAS_MAX_WEIGHTS else None
+        self.widened = None
+        if kernel is None:
+            self.widened = self.weight.dequantized()
 
-    def dequantized(self) -> torch.Tensor:
-        q = self.qrows if self.qrows is not None else unpack_rows(self.qweight, self.out_features)
-        return q * self.scale[:, None]  # int8 * float32 -> float32 in one pass
+    @property
+    def weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale, self.qrows, self.widened, self.kernel)
+
+    def rebind(self, w: Int8Weight) -> None:
+        """Hold `w` (same shape: a view of a fused weight's rows) instead of its own tensors."""
+        assert w.shape == (self.out_features, self.in_features)
+        self.qweight, self.scale, self.qrows, self.widened = w.packed, w.scale, w.qrows, w.widened
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        if self.widened is not None:
-            y = x2 @ self.widened.T
-        elif self.blas_min_rows is not None and x2.shape[0] >= self.blas_min_rows:
-            y = x2 @ self.dequantized().T
-        else:
-            y = self.kernel.matmul(x2, self.qweight, self.scale)
+        y = self.weight.matmul(x.reshape(-1, self.in_features).float().contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
