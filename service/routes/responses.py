@@ -111,6 +111,8 @@ async def _start(st, body, messages: list[dict], params, owner: str | None):
                                           expect_history_len=plan.history_len if plan.session_id else None)
         except APIError as err:
             await _drop(st, plan, owner)
+            if err.param in ("max_tokens", "prompt"):  # the engine's names for this API's parameters
+                err.param = {"max_tokens": "max_output_tokens", "prompt": "input"}[err.param]
             # a turn of the same session started meanwhile: this one branches off instead
             if err.code != "session_busy" or plan.new_session or attempt:
                 raise
