@@ -7,8 +7,8 @@ exactly that many tokens), the response it continued, the input messages it adde
 the chat template takes) and the response object as the API answers it.
 
 Records live where transcripts live: in the session store's `responses` table (SQLite, or
-`s5_responses` in PostgreSQL, shared by the replicas; their schemas are in session_db.py), so they survive a restart; without a
-session store (`--session-db none`) in this process's memory. They are written and read through
+`s5_responses` in PostgreSQL, shared by the replicas; the schemas are in session_db.py), so they
+survive a restart; without a session store (`--session-db none`), in this process's memory. They are written and read through
 the engine's verbs (`put_response`, `get_response`, `response_chain`, `delete_response`), on the
 engine's loop, the one user of the store's connection. A record outlives its session (the TTL may
 evict the session): the front end then rebuilds the conversation from the chain of records.

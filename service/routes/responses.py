@@ -13,6 +13,7 @@ conversation. Responses belong to the API key that created them: another key's a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine import FinishReason
+from engine.client import EngineDead
 from service import chat
 from service import responses as rs
 from service.auth import tenant
@@ -84,10 +86,8 @@ async def _rebuilt(st, body, chain: list[dict], messages: list[dict], owner: str
 async def _drop(st, plan: _Plan, owner: str | None) -> None:
     """Close a session created for a response whose turn did not complete."""
     if plan.new_session:
-        try:
+        with contextlib.suppress(EngineDead):  # the engine is gone: nothing is left to close
             await st.engine.close_session(plan.session_id, owner)
-        except Exception:  # the engine is gone: nothing is left to close
-            pass
 
 
 async def _start(st, body, messages: list[dict], params, owner: str | None):
@@ -180,7 +180,7 @@ async def create_response(body: rs.ResponsesRequest, request: Request, owner: st
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
         yield event("response.output_item.added", output_index=0, item=rs.message_item(item_id, "", "in_progress"))
-        at = dict(item_id=item_id, output_index=0, content_index=0)
+        at = {"item_id": item_id, "output_index": 0, "content_index": 0}
         yield event("response.content_part.added", **at,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         text, last = [], None
