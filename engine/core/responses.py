@@ -39,11 +39,12 @@ class _Table:
         self._mark = mark  # the driver's parameter marker
         self._same = same  # NULL-safe equality (owners are NULL without API keys)
 
-    def _run(self, sql: str, args: tuple = ()):
+    def _run(self, sql: str, args: tuple = ()) -> tuple[list, int]:
+        """(the rows a query returns, the rows a write changed)."""
         sql = sql.replace("{t}", self._table).replace("?", self._mark).replace("IS_SAME", self._same)
         try:
             cur = self._conn.execute(sql, args)
-            return cur.fetchall() if cur.description is not None else []
+            return (cur.fetchall() if cur.description is not None else []), cur.rowcount
         except STORE_ERRORS:
             raise
         except Exception as exc:  # psycopg's errors
@@ -56,8 +57,8 @@ class _Table:
         self._run(f"INSERT INTO {{t}} ({', '.join(FIELDS)}) VALUES ({', '.join('?' * len(FIELDS))})", row)
 
     def get(self, response_id: str, owner: str | None) -> dict | None:
-        rows = self._run(f"SELECT {', '.join(FIELDS)} FROM {{t}} WHERE id = ? AND owner IS_SAME ?",
-                         (response_id, owner))
+        rows, _ = self._run(f"SELECT {', '.join(FIELDS)} FROM {{t}} WHERE id = ? AND owner IS_SAME ?",
+                            (response_id, owner))
         if not rows:
             return None
         rec = dict(zip(FIELDS, rows[0]))
@@ -65,10 +66,10 @@ class _Table:
         return rec
 
     def delete(self, response_id: str, owner: str | None) -> bool:
-        return bool(self._run("DELETE FROM {t} WHERE id = ? AND owner IS_SAME ? RETURNING id", (response_id, owner)))
+        return self._run("DELETE FROM {t} WHERE id = ? AND owner IS_SAME ?", (response_id, owner))[1] > 0
 
     def uses(self, session_id: str) -> int:
-        return self._run("SELECT COUNT(*) FROM {t} WHERE session_id = ?", (session_id,))[0][0]
+        return self._run("SELECT COUNT(*) FROM {t} WHERE session_id = ?", (session_id,))[0][0][0]
 
 
 def sqlite_table(conn) -> _Table:

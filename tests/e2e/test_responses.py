@@ -4,6 +4,8 @@ that continues another reuses its session's row (cached tokens reported) and say
 faces) gives the non-streamed text; stored responses are retrieved, listed and deleted, unstored
 ones cannot be; bad input answers 400 naming the parameter and leaves no session behind."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -34,9 +36,14 @@ def reply(response) -> dict:
     return {"role": "assistant", "content": response.output_text}
 
 
-def sessions(server) -> int:
+def sessions(server, expect: int | None = None) -> int:
+    """Open sessions once the server is idle (given `expect`: once they are that many, within a
+    few seconds: a session dropped after a stream ends is closed just after the engine idles)."""
     server.wait_idle()
-    return server.stats().num_sessions
+    deadline = time.monotonic() + 5
+    while (n := server.stats().num_sessions) != expect and expect is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
 
 
 def test_a_continued_response_reuses_its_row_and_answers_as_chat_completions(server):
@@ -170,4 +177,19 @@ def test_bad_input_answers_400_naming_the_parameter_and_leaks_nothing(server, ex
         assert r.status_code == (404 if param in ("previous_response_id", "model") else 400), r.text
         assert error["param"] == param and error["message"] and error["type"] and error["code"]
     assert sessions(server) == before
+    server.check_invariants()
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_response_and_no_session(server):
+    client = sdk(server)
+    before = sessions(server)
+    with client.responses.stream(input=FEW_SHOT + FRANCE, model="", max_output_tokens=200, temperature=0) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                break  # leaves with the reply under way
+    assert sessions(server, expect=before) == before
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response_id)
     server.check_invariants()
