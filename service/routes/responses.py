@@ -35,6 +35,8 @@ from service.turns import check_model, collect, engine_call, render_chat, requir
 
 router = APIRouter(prefix="/v1/responses", responses=ERROR_RESPONSES)
 _encode = msgspec.json.Encoder().encode
+# what the engine and the chat template call this API's parameters in their errors
+_PARAMS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -111,8 +113,6 @@ async def _start(st, body, messages: list[dict], params, owner: str | None):
                                           expect_history_len=plan.history_len if plan.session_id else None)
         except APIError as err:
             await _drop(st, plan, owner)
-            if err.param in ("max_tokens", "prompt"):  # the engine's names for this API's parameters
-                err.param = {"max_tokens": "max_output_tokens", "prompt": "input"}[err.param]
             # a turn of the same session started meanwhile: this one branches off instead
             if err.code != "session_busy" or plan.new_session or attempt:
                 raise
@@ -136,7 +136,11 @@ async def create_response(body: rs.ResponsesRequest, request: Request, owner: st
         raise APIError(400, "this model has no tokenizer", "invalid_request")
     messages = rs.input_messages(body)
     params = rs.sampling(body, st.end_of_turn_ids)
-    plan, turn = await _start(st, body, messages, params, owner)
+    try:
+        plan, turn = await _start(st, body, messages, params, owner)
+    except APIError as err:  # the engine's and the chat template's names for this API's parameters
+        err.param = _PARAMS.get(err.param, err.param)
+        raise
     response_id, item_id, created = rs.new_id("resp"), rs.new_id("msg"), int(time.time())
     headers = {"X-Request-Id": turn.request_id}
 
