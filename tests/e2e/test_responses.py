@@ -193,3 +193,24 @@ def test_a_client_that_leaves_mid_stream_leaves_no_response_and_no_session(serve
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response_id)
     server.check_invariants()
+
+
+def test_instructions_and_input_parts_render_as_chat_messages(server):
+    """`instructions` is a system message before the input; `developer` is the system role; text
+    parts join into one message; input_items lists the input without the instructions."""
+    client = sdk(server)
+    made = client.responses.create(
+        instructions="You answer with the capital only.",
+        input=[{"role": "developer", "content": "Answer in English."},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital "},
+                                                               {"type": "input_text", "text": "of France?"}]}],
+        **GREEDY)
+    assert made.output_text == chat_text(server, [
+        {"role": "system", "content": "You answer with the capital only."},
+        {"role": "system", "content": "Answer in English."},
+        {"role": "user", "content": "What is the capital of France?"}]) and made.output_text.strip()
+    assert made.instructions == "You answer with the capital only."
+    items = client.responses.input_items.list(made.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in items.data] == [("system", "Answer in English."),
+                                                                  ("user", "What is the capital of France?")]
+    client.responses.delete(made.id)
