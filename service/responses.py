@@ -29,8 +29,7 @@ UNSUPPORTED: dict[str, Any] = {
     "max_tool_calls": lambda v: True,  # no tools: nothing to bound
     "parallel_tool_calls": lambda v: True,
     "reasoning": lambda v: not v or (isinstance(v, dict) and all(x is None for x in v.values())),
-    "text": lambda v: isinstance(v, dict) and set(v) <= {"format"} and (
-        v.get("format") is None or (isinstance(v["format"], dict) and v["format"].get("type") == "text")),
+    "text": lambda v: isinstance(v, dict) and _text_refused(v) is None,
     "include": lambda v: not v,
     "truncation": lambda v: v == "disabled",
     "background": lambda v: not v,
@@ -40,8 +39,14 @@ UNSUPPORTED: dict[str, Any] = {
     "context_management": lambda v: not v,
     "service_tier": lambda v: v in ("auto", "default"),
 }
-# where the 400 points for a parameter whose refused part is inside it
-_PARAM = {"text": "text.format"}
+
+
+def _text_refused(text: dict) -> str | None:
+    """The part of `text` that asks for something other than plain text, if any."""
+    fmt = text.get("format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return "text.format"
+    return next((f"text.{k}" for k, v in text.items() if k != "format" and v is not None), None)
 
 
 class ResponsesRequest(BaseModel):
@@ -73,7 +78,7 @@ class ResponsesRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             accepts = UNSUPPORTED.get(name)
             if accepts is not None and value is not None and not accepts(value):
-                return _PARAM.get(name, name)
+                return (isinstance(value, dict) and name == "text" and _text_refused(value)) or name
         return None
 
 

@@ -92,22 +92,31 @@ async def _drop(st, plan: _Plan, owner: str | None) -> None:
             await st.engine.close_session(plan.session_id, owner)
 
 
+async def _chain(st, response_id: str, owner: str | None) -> list[dict]:
+    """The stored responses from the conversation's first to `response_id`, oldest first."""
+    chain, whole = await engine_call(st.engine.call("response_chain", response_id, owner))
+    if not chain:
+        raise _not_found(response_id, "previous_response_id")
+    if not whole:
+        raise APIError(404, f"response {chain[0]['previous_id']}, which response {response_id} continues, was "
+                       "deleted: its conversation cannot be rebuilt", "response_not_found", "previous_response_id")
+    return chain
+
+
 async def _start(st, body, messages: list[dict], params, owner: str | None):
     """(plan, turn): the response's turn, submitted."""
-    chain: list[dict] = []
+    prev = None
     if body.previous_response_id is not None:
-        chain, whole = await engine_call(st.engine.call("response_chain", body.previous_response_id, owner))
-        if not chain:
+        prev = await engine_call(st.engine.call("get_response", body.previous_response_id, owner))
+        if prev is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
-        if not whole:
-            raise APIError(404, f"response {chain[0]['previous_id']}, which response {body.previous_response_id} "
-                           "continues, was deleted: its conversation cannot be continued", "response_not_found",
-                           "previous_response_id")
     for attempt in range(2):
         plan = None
-        if chain and body.store and attempt == 0:
-            plan = await _in_place(st, chain[-1], messages, owner)
-        plan = plan or await _rebuilt(st, body, chain, messages, owner)
+        if prev is not None and body.store and attempt == 0:
+            plan = await _in_place(st, prev, messages, owner)
+        if plan is None:  # the conversation from the stored responses (reading them only now)
+            chain = await _chain(st, prev["id"], owner) if prev is not None else []
+            plan = await _rebuilt(st, body, chain, messages, owner)
         try:
             return plan, await start_turn(st, plan.ids, params, plan.session_id, owner, match_prefix=False,
                                           expect_history_len=plan.history_len if plan.session_id else None)

@@ -149,6 +149,7 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"background": True}, "background"),
@@ -214,3 +215,35 @@ def test_instructions_and_input_parts_render_as_chat_messages(server):
     assert [(i.role, i.content[0].text) for i in items.data] == [("system", "Answer in English."),
                                                                   ("user", "What is the capital of France?")]
     client.responses.delete(made.id)
+
+
+def test_a_response_whose_session_is_gone_is_continued_from_the_stored_conversation(server):
+    client = sdk(server)
+    first = client.responses.create(input=FEW_SHOT + FRANCE, **GREEDY)
+    session_id = server.engine("get_response", first.id, None)["session_id"]
+    assert server.engine("close_session", session_id, None)  # as the idle TTL would
+    germany = {"role": "user", "content": "And of Germany?"}
+    second = client.responses.create(input=[germany], previous_response_id=first.id, **GREEDY)
+    assert second.output_text == chat_text(server, FEW_SHOT + FRANCE + [reply(first), germany])
+    assert second.output_text == "The capital of Germany is Berlin."
+    assert second.usage.input_tokens_details.cached_tokens == 0  # rebuilt, in a new session
+    third = client.responses.create(input="And of Spain?", previous_response_id=second.id, **GREEDY)
+    assert third.usage.input_tokens_details.cached_tokens == second.usage.total_tokens - 1
+
+
+def test_deleting_a_response_keeps_the_session_its_continuations_use(server):
+    client = sdk(server)
+    first = client.responses.create(input=FEW_SHOT + FRANCE, **GREEDY)
+    second = client.responses.create(input="And of Germany?", previous_response_id=first.id, **GREEDY)
+    client.responses.delete(first.id)
+    # the second still refers to the session: it continues in place
+    third = client.responses.create(input="And of Spain?", previous_response_id=second.id, **GREEDY)
+    assert third.usage.input_tokens_details.cached_tokens == second.usage.total_tokens - 1
+    # a branch off the second would rebuild the conversation from the first, which is gone
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        client.responses.create(input="And of Spain?", previous_response_id=second.id, **GREEDY)
+    before = sessions(server)
+    client.responses.delete(second.id)
+    assert sessions(server) == before  # the third still uses the session
+    client.responses.delete(third.id)
+    assert sessions(server) == before - 1
