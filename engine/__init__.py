@@ -12,6 +12,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       scheduler.py     token budget, prefill chunks + decodes; admission through a callback
       session_db.py    session transcripts on disk (SQLite), or in PostgreSQL shared by replicas
       session_sync.py  SharedStore: what the session table asks of a store replicas share (leases)
+      responses.py     stored responses of /v1/responses, in the session store beside the sessions
       config.py        EngineConfig (frozen): model, device, dtype, KV policy, limits
       types.py         plain data shared across the engine: SamplingParams, Request, outputs, errors
       detokenizer.py   incremental UTF-8-safe detokenization and stop strings

@@ -20,9 +20,11 @@ import msgspec
 
 from engine.core.types import FinishReason, Request
 
-# Engine verbs a `Call` may name (methods of engine.Engine, plus "stats" and "check_invariants").
+# Engine verbs a `Call` may name (methods of engine.Engine, plus "stats" and "check_invariants",
+# and RESPONSE_CALLS, methods of the engine's ResponseStore).
+RESPONSE_CALLS = ("put_response", "get_response", "response_chain", "delete_response")
 CALLS = ("create_session", "close_session", "reset_session", "release_row", "session_info", "session_tokens",
-         "session_tail", "expire_idle", "stats", "check_invariants")
+         "session_tail", "expire_idle", "stats", "check_invariants", *RESPONSE_CALLS)
 
 
 # ---- front end -> engine --------------------------------------------------------------------------

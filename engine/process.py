@@ -170,7 +170,8 @@ class EngineCore:
                 self._send(outs, 0.0)
         elif isinstance(msg, ipc.Call):
             # looked up per call: a table of bound methods kept on self would be a reference cycle
-            fn = (getattr(self, "_" + msg.method, None) or getattr(engine, msg.method)) if msg.method in ipc.CALLS \
+            target = engine.responses if msg.method in ipc.RESPONSE_CALLS else engine
+            fn = (getattr(self, "_" + msg.method, None) or getattr(target, msg.method)) if msg.method in ipc.CALLS \
                 else None
             if fn is None:
                 self._reply(msg.call_id, error=EngineError(f"unknown engine call {msg.method!r}"))

@@ -17,7 +17,7 @@ from engine.client import EngineClient, EngineDead
 from engine.model.loader import load_tokenizer
 from service import chat, errors
 from service.metrics import Metrics
-from service.routes import ops, openai, sessions
+from service.routes import ops, openai, responses, sessions
 from service.settings import Settings
 from service.turns import InFlight, TokenizerPool
 
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(sessions.router)
+    app.include_router(responses.router)
     return app
 
 

@@ -30,6 +30,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.requests import LiveRequest, RequestPlanner
+from engine.core.responses import ResponseStore
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
@@ -94,6 +95,8 @@ class Engine:
         # an SQLite file, or a PostgreSQL store shared by replicas (the table asks it through SharedStore)
         db = open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
+        # stored responses of /v1/responses, in the same store (its verbs: ipc.CALLS)
+        self.responses = ResponseStore(db.responses() if db is not None else None, self.stats)
         self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed)
         self._live: dict[str, LiveRequest] = {}
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn

@@ -60,6 +60,18 @@ CREATE TABLE IF NOT EXISTS turns (
     decodes INTEGER NOT NULL,
     PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
+-- stored responses of /v1/responses (engine/core/responses.py); they outlive their sessions
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    session_id TEXT,
+    previous_id TEXT,
+    created REAL NOT NULL,
+    history_len INTEGER NOT NULL,
+    messages TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_session ON responses(session_id);
 """
 
 
@@ -207,6 +219,12 @@ class SessionDB:
     def delete(self, session_id: str) -> None:
         self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
 
+    def responses(self):
+        """The stored responses' table on this connection (engine/core/responses.py)."""
+        from engine.core.responses import sqlite_table
+
+        return sqlite_table(self._db)
+
 
 # ---- PostgreSQL: one store for every replica ------------------------------------------------------
 PG_SCHEMA = """
@@ -228,6 +246,17 @@ CREATE TABLE IF NOT EXISTS s5_turns (
     decodes INTEGER NOT NULL,
     PRIMARY KEY (session_id, seq)
 );
+CREATE TABLE IF NOT EXISTS s5_responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    session_id TEXT,
+    previous_id TEXT,
+    created DOUBLE PRECISION NOT NULL,
+    history_len INTEGER NOT NULL,
+    messages TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS s5_responses_session ON s5_responses(session_id);
 """
 # Serializes the schema's creation when several replicas start at once (an advisory lock key of
 # the one-argument form; session leases use the two-argument form, another key space).
@@ -403,6 +432,12 @@ class PostgresSessionDB:
     def forget(self, session_id: str) -> None:
         """This process no longer holds the session in memory."""
         self._seen.pop(session_id, None)
+
+    def responses(self):
+        """The stored responses' table on this connection (engine/core/responses.py)."""
+        from engine.core.responses import postgres_table
+
+        return postgres_table(self._db)
 
 
 def open_session_db(target: str, fingerprint: str) -> SessionDB | PostgresSessionDB:

@@ -134,6 +134,11 @@ def test_auth_matrix(tiny):
         ("POST", "/v1/sessions/{session_id}/generate"): (f"/v1/sessions/{a_sid}/generate", gen_body, True),
         ("DELETE", "/v1/sessions/{session_id}"): (None, None, True),  # below: it ends the session
         ("POST", "/v1/requests/{request_id}/cancel"): (None, None, True),  # below: needs a live request
+        ("POST", "/v1/responses"): ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, False),
+        # a stored response's routes (its tenancy: tests/reliability/test_durable_responses.py)
+        ("GET", "/v1/responses/{response_id}"): ("/v1/responses/resp_x", None, True),
+        ("DELETE", "/v1/responses/{response_id}"): ("/v1/responses/resp_x", None, True),
+        ("GET", "/v1/responses/{response_id}/input_items"): ("/v1/responses/resp_x/input_items", None, True),
     }
     open_routes = {("GET", "/health"), ("GET", "/ready")}
     schema = tiny.app.openapi()["paths"]  # every route of the app, however its routers are kept
@@ -156,7 +161,7 @@ def test_auth_matrix(tiny):
             for hdrs in (A, B):
                 r = httpx.request(method, tiny.url + path, json=body, headers=hdrs, timeout=30)
                 # past auth: served, or (chat on this tokenizer-less test model) the handler's own 400
-                want = 400 if route == "/v1/chat/completions" else 200
+                want = 400 if route in ("/v1/chat/completions", "/v1/responses") else 200
                 assert r.status_code == want, (method, path, r.text)
     # owned routes: the other tenant sees exactly what a missing id gives; the owner succeeds
     # (a fresh session: this server expires idle ones after 1.5 s)

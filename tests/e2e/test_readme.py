@@ -92,3 +92,32 @@ def test_readme_sdk_example(server, capsys):
     want = completion_text(server, {"prompt": prompt, **params})
     assert want.strip() and printed.startswith(want + "\n "), (printed, want)
     assert int(printed[len(want):].split()[0]) > 0  # the KV bytes the session holds
+
+
+def test_readme_responses_examples(server, capsys):
+    """The Responses example: the curl continuation and the SDK's second response each say what
+    /v1/chat/completions says for the whole conversation, reusing the first response's row."""
+    script = blocks("bash")[2]
+    assert "previous_response_id" in script
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(LOCAL, server.url)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rest, objs = out.stdout.strip(), []
+    while rest:  # the JSON objects the curls print, one after the other
+        obj, end = json.JSONDecoder().raw_decode(rest)
+        objs.append(obj)
+        rest = rest[end:].strip()
+    second, stored = objs
+    first_body = json.loads(re.search(r"-d '([^']*)'", script.replace("\\\n", " ")).group(1))
+    whole = first_body["input"] + [{"role": "assistant", "content": stored["output"][0]["content"][0]["text"]},
+                                   {"role": "user", "content": "And of Germany?"}]
+    want = chat_text(server, {"messages": whole, "max_tokens": 7, "temperature": 0})
+    assert second["output"][0]["content"][0]["text"] == want == "The capital of Germany is Berlin."
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert stored["previous_response_id"] is None and second["previous_response_id"] == stored["id"]
+
+    code = blocks("python")[1]
+    assert "previous_response_id" in code
+    exec(compile(code.replace(LOCAL, server.url), "README.md", "exec"), {})
+    text, cached = capsys.readouterr().out.splitlines()
+    assert text == want and int(cached.split()[0]) > 0, (text, cached)
