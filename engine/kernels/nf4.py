@@ -15,19 +15,23 @@ with one input are concatenated (`fuse`), as the bf16 forward fuses Q/K/V and ga
 
 `nf4_matmul` (x [M, K] @ W^T): each program owns `block_n` output columns and a `k_per` slice
 of K (split-K where there are too few columns to cover the GPU: float32 partials per split, then
-one kernel sums them in a fixed order; no atomics), streams its weight tile once for all M rows,
-decodes it in registers (code gather, times the group's absmax, rounded to the compute dtype
-exactly as bnb's dequantize rounds) and multiplies: broadcast FMAs for a few rows, `tl.dot` for
-16 or more. The activations are read at even and odd columns, against the high and low nibbles,
-so the packed bytes never need reordering. `plan_nf4` times a few launches per row count on a
-model's own weights and keeps the fastest (`launch_for` falls back to a fixed rule where there
-is no plan). `dequantize` writes the whole weight in the compute dtype (prefill chunks).
+one kernel sums them in a fixed order; no atomics), streams its weight once for all M rows, a
+few whole groups per step ([block_n, 32] bytes and one scale per row each), decodes them in
+registers (code gather, times the group's absmax, rounded to the compute dtype exactly as bnb's
+dequantize rounds) and multiplies: broadcast FMAs into per-column partial sums for a few rows
+(reduced once at the end), `tl.dot` for 16 or more. The activations are read at even and odd
+columns, against the high and low nibbles, so the packed bytes never need reordering.
+`plan_nf4` times a few launches per row count on a model's own weights and keeps the fastest
+(`launch_for` is a fixed rule for where there is no plan); from 128 rows it also weighs the
+library's product on the dequantized weight. `dequantize` writes the whole weight in the compute
+dtype (prefill chunks).
 
 Without Triton, or off CUDA (tests), `dequantize_ref` and `F.linear` compute the same function.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -131,83 +135,91 @@ def dequantize_ref(w: NF4Weight) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _nf4_tile(P, S, C, rn, nm, k0, k_hi, stride_p, stride_s, OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """The weight tile of rows rn, columns [k0, k0 + BLOCK_K), decoded: (even columns, odd
-        columns), each [BLOCK_N, BLOCK_K / 2] in OUT (zero past k_hi and past the last row)."""
-        G: tl.constexpr = BLOCK_K // 64
-        rg = tl.arange(0, G)
+    def _nf4_group(P, S, C, rn, nm, kg, k_hi, stride_p, stride_s, OUT: tl.constexpr):
+        """The group of 64 columns from kg of weight rows rn, decoded: (even columns, odd columns),
+        each [BLOCK_N, 32] in OUT (zero past k_hi and past the last row)."""
+        ok = nm & ((rn * 0 + kg) < k_hi)
+        row = rn.to(tl.int64)
         rb = tl.arange(0, 32)
-        gm = (k0 + rg * 64) < k_hi
-        m3 = nm[:, None, None] & gm[None, :, None]
-        row = rn[:, None, None].to(tl.int64)
-        p = tl.load(P + row * stride_p + (k0 // 2 + rg[None, :, None] * 32 + rb[None, None, :]), mask=m3, other=0)
-        s = tl.load(S + row * stride_s + (k0 // 64 + rg[None, :, None]), mask=m3, other=0.0)
+        p = tl.load(P + row[:, None] * stride_p + (kg // 2 + rb)[None, :], mask=ok[:, None], other=0)
+        s = tl.load(S + row * stride_s + kg // 64, mask=ok, other=0.0)[:, None]
         hi = (tl.load(C + (p >> 4).to(tl.int32)) * s).to(OUT)
         lo = (tl.load(C + (p & 15).to(tl.int32)) * s).to(OUT)
-        return tl.reshape(hi, [BLOCK_N, BLOCK_K // 2]), tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+        return hi, lo
+
+    @triton.jit
+    def _x_group(xrow, mm, kg, k_hi):
+        """The activations' even and odd columns of the group from kg: [BLOCK_M, 32] each."""
+        col = kg + 2 * tl.arange(0, 32)
+        xm = mm[:, None] & (col < k_hi)[None, :]
+        return tl.load(xrow + col[None, :], mask=xm, other=0.0), tl.load(xrow + col[None, :] + 1, mask=xm, other=0.0)
 
     @triton.jit
     def _nf4_matmul_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr = False):
+                           PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr = False):
+        """Each step of the K loop decodes BLOCK_K / 64 whole groups, one [BLOCK_N, 32] tile of
+        bytes each (no reshape: a group's scale is one value per row)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rh = tl.arange(0, BLOCK_K // 2)
         nm = rn < N
         mm = rm < M
         k_lo = pid_k * k_per
         k_hi = tl.minimum(k_lo + k_per, K)
         pdl_enter(GDC)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         xrow = X + rm[:, None].to(tl.int64) * stride_xm
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            even, odd = _nf4_tile(P, S, C, rn, nm, k0, k_hi, stride_p, stride_s, X.dtype.element_ty, BLOCK_N,
-                                  BLOCK_K)
-            col = k0 + 2 * rh
-            xm = mm[:, None] & (col < k_hi)[None, :]
-            xe = tl.load(xrow + col[None, :], mask=xm, other=0.0)
-            xo = tl.load(xrow + col[None, :] + 1, mask=xm, other=0.0)
-            if DOT:
-                if IEEE:
-                    acc += tl.dot(xe, tl.trans(even), input_precision="ieee")
-                    acc += tl.dot(xo, tl.trans(odd), input_precision="ieee")
-                else:
-                    acc += tl.dot(xe, tl.trans(even))
-                    acc += tl.dot(xo, tl.trans(odd))
-            else:
-                acc += tl.sum(xe.to(tl.float32)[:, None, :] * even.to(tl.float32)[None, :, :], axis=2)
-                acc += tl.sum(xo.to(tl.float32)[:, None, :] * odd.to(tl.float32)[None, :, :], axis=2)
+        OUT: tl.constexpr = X.dtype.element_ty
+        if DOT:  # tensor cores: [BLOCK_M, 32] x [32, BLOCK_N] twice per group
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                for g in tl.static_range(BLOCK_K // 64):
+                    even, odd = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, OUT)
+                    xe, xo = _x_group(xrow, mm, k0 + 64 * g, k_hi)
+                    if IEEE:
+                        acc += tl.dot(xe, tl.trans(even), input_precision="ieee")
+                        acc += tl.dot(xo, tl.trans(odd), input_precision="ieee")
+                    else:
+                        acc += tl.dot(xe, tl.trans(even))
+                        acc += tl.dot(xo, tl.trans(odd))
+        else:  # broadcast FMAs into per-column partial sums, reduced over K once at the end
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, 32], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                for g in tl.static_range(BLOCK_K // 64):
+                    even, odd = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, OUT)
+                    xe, xo = _x_group(xrow, mm, k0 + 64 * g, k_hi)
+                    acc3 += xe.to(tl.float32)[:, None, :] * even.to(tl.float32)[None, :, :]
+                    acc3 += xo.to(tl.float32)[:, None, :] * odd.to(tl.float32)[None, :, :]
+            acc = tl.sum(acc3, axis=2)
         out = Y + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        if SPLIT == 1:
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
-        else:
+        if PARTIAL:  # float32 partials of this K slice, summed by _sum_splits_kernel
             tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+        else:
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
-    def _sum_splits_kernel(Part, Y, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    def _sum_splits_kernel(Part, Y, total, split, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         pdl_enter(GDC)
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < total
         acc = tl.zeros([BLOCK], tl.float32)
-        for s in range(SPLIT):
+        for s in range(split):
             acc += tl.load(Part + s * total + idx, mask=ok, other=0.0)
         tl.store(Y + idx, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _dequantize_kernel(P, S, C, W, N, K, stride_p, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k0 = tl.program_id(1) * BLOCK_K
         nm = rn < N
-        even, odd = _nf4_tile(P, S, C, rn, nm, k0, K, stride_p, stride_s, W.dtype.element_ty, BLOCK_N, BLOCK_K)
-        col = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        ptr = W + rn[:, None].to(tl.int64) * K + col[None, :]
-        m = nm[:, None] & (col < K)[None, :]
-        tl.store(ptr, even, mask=m)
-        tl.store(ptr + 1, odd, mask=m)
+        for g in tl.static_range(BLOCK_K // 64):
+            kg = tl.program_id(1) * BLOCK_K + 64 * g
+            even, odd = _nf4_group(P, S, C, rn, nm, kg, K, stride_p, stride_s, W.dtype.element_ty)
+            ptr = W + rn[:, None].to(tl.int64) * K + (kg + 2 * tl.arange(0, 32))[None, :]
+            m = nm[:, None] & ((kg + 2 * tl.arange(0, 32)) < K)[None, :]
+            tl.store(ptr, even, mask=m)
+            tl.store(ptr + 1, odd, mask=m)
 
 
 def dequantize(w: NF4Weight) -> torch.Tensor:
@@ -250,78 +262,89 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     args = kernel_args(pdl)
     _nf4_matmul_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
         x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=block_m >= 16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, DOT=block_m >= 16,
         IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **args)
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT=split, BLOCK=block, num_warps=4,
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block, num_warps=4,
                                                          **args)
     return y
 
 
 def launch_for(m: int, n: int, k: int, sms: int) -> dict:
-    """A launch for `m` rows without a timed plan: broadcast FMAs up to 8 rows (tiles kept to
-    about 64 float32 products per thread), `tl.dot` from 16 (tiles of up to 64 rows), and as
-    many K slices as it takes for about two programs per SM."""
+    """A launch for `m` rows without a timed plan: broadcast FMAs up to 8 rows, `tl.dot` from 16
+    (tiles of up to 64 rows), K split for about two programs per SM."""
     if m <= 8:
         mp = triton.next_power_of_2(max(m, 1))
-        block_n, block_k = (32, 512) if mp == 1 else (16, 512 // mp) if mp <= 4 else (16, 128)
-        block_m = mp
+        cand = (mp, 16 if mp == 8 else 32, 512 if mp == 1 else 256, 4)
     else:
-        block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(m))), 32, 256
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = 1
-    while programs * split < 2 * sms and split * 2 * block_k <= k:
-        split *= 2
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=4, stages=3)
+        cand = (min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4)
+    return _with_split(cand, m, n, k, sms, 3)
 
 
-def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None, pdl: bool = False,
-           sms: int = 132) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N]: the fused kernel up to MAX_KERNEL_ROWS rows, with the plan's
-    launch for the smallest planned row count >= M (a plan's None: dequantize and the library
-    product there), else `launch_for`'s; more rows dequantize W and run `F.linear`."""
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None,
+           pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
+    launch for the smallest planned row count >= M (without one, `launch_for`'s; a planned None:
+    as for more rows); more rows dequantize W and run `F.linear`."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):
         return F.linear(x, dequantize_ref(w))
-    cfg: dict | None = None
+    cfg = None
     if m <= MAX_KERNEL_ROWS:
         planned = [r for r in (plan or {}) if r >= m]
-        cfg = plan[min(planned)] if planned else launch_for(m, w.shape[0], w.shape[1], sms)
+        if planned:
+            cfg = plan[min(planned)]
+        else:
+            sms = 4  # Triton's interpreter on the CPU
+            if x.is_cuda:
+                sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            cfg = launch_for(m, w.shape[0], w.shape[1], sms)
     if cfg is None:
         return F.linear(x, dequantize(w))
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
 # launches `plan_nf4` times per row count (block_m, block_n, block_k, warps; 3 pipeline stages, and
-# 4 too at one row); the K split of each is `launch_for`'s rule (about two programs per SM)
+# 4 too at one row). Broadcast-FMA tiles (block_m < 16) keep block_m x block_n x 32 float32
+# partial sums, at most 32 per thread. Each is tried with K split for about 2 and about 4
+# programs per SM (`_with_split`).
 NF4_CANDIDATES = {
-    1: ((1, 32, 512, 4), (1, 16, 512, 4), (1, 64, 256, 4), (1, 32, 256, 2)),
-    2: ((2, 16, 512, 4), (2, 32, 256, 4), (16, 32, 256, 4)),
-    4: ((4, 16, 256, 4), (4, 32, 128, 4), (16, 32, 256, 4)),
-    8: ((8, 16, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4)),
-    16: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)),
-    32: ((32, 32, 256, 4), (32, 64, 128, 4), (16, 64, 256, 4)),
-    64: ((64, 32, 256, 4), (64, 64, 128, 8), (32, 64, 256, 4)),
+    1: ((1, 32, 512, 4), (1, 64, 256, 4), (1, 64, 512, 8), (1, 128, 256, 8), (1, 16, 1024, 4)),
+    2: ((2, 32, 256, 4), (2, 64, 256, 8), (16, 32, 256, 4)),
+    4: ((4, 32, 256, 4), (4, 16, 512, 4), (16, 32, 256, 4)),
+    8: ((8, 16, 256, 4), (8, 32, 128, 8), (16, 32, 256, 4), (16, 64, 128, 4)),
+    16: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8), (16, 64, 256, 8)),
+    32: ((32, 32, 256, 4), (32, 64, 128, 4), (32, 64, 256, 8)),
+    64: ((64, 32, 256, 4), (64, 64, 128, 8), (64, 64, 256, 8), (32, 64, 256, 4)),
 }
 
 
-def _with_split(cand: tuple[int, int, int, int], m: int, n: int, k: int, sms: int, stages: int) -> dict:
+def _with_split(cand: tuple[int, int, int, int], m: int, n: int, k: int, sms: int, stages: int,
+                per_sm: int = 2) -> dict:
+    """`cand` as `nf4_matmul`'s launch, K split in two until there are `per_sm` programs per SM
+    (or a slice would be under two K blocks)."""
     block_m, block_n, block_k, warps = cand
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
-    while programs * split < 2 * sms and split * 2 * block_k <= k:
+    while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages)
 
 
 @torch.no_grad()
-def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict]:
+def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
     """Per planned row count (NF4_CANDIDATES), the fastest `nf4_matmul` launch on these
     same-shaped weights (a product with each in turn, as a forward runs its layers), timed from
-    a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Row counts above
-    the largest planned one up to MAX_KERNEL_ROWS get `launch_for`'s launch."""
+    a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Above the
+    largest planned row count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it beats
+    dequantizing the weight for the library's product, else None (that product)."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
@@ -334,9 +357,13 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict]:
         x = torch.randn(m, k, device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
         best = None
+        tried = []
         for cand in cands:
-            for stages in ((3, 4) if m == 1 else (3,)):
-                cfg = _with_split(cand, m, n, k, sms, stages)
+            for stages, per_sm in [(st, p) for st in ((3, 4) if m == 1 else (3,)) for p in (2, 4)]:
+                cfg = _with_split(cand, m, n, k, sms, stages, per_sm)
+                if cfg in tried:
+                    continue
+                tried.append(cfg)
                 try:
                     t = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
                 except Exception:  # a launch this GPU cannot compile (shared memory, registers)
@@ -344,7 +371,12 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict]:
                 if best is None or t < best:
                     best, plan[m] = t, cfg
     rows = max(NF4_CANDIDATES)
-    while rows < MAX_KERNEL_ROWS:
+    while rows < MAX_KERNEL_ROWS:  # launch_for's tiles of 64 rows, or the weight dequantized for the library
         rows *= 2
-        plan[rows] = launch_for(rows, n, k, sms)
+        x = torch.randn(rows, k, device=w0.device).to(w0.dtype)
+        cfg = launch_for(rows, n, k, sms)
+        pdl = pdl_for is not None and pdl_for(rows)
+        ours = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
+        lib = graph_ms(lambda: [F.linear(x, dequantize(w)) for w in weights], reps=3)
+        plan[rows] = cfg if ours < lib else None
     return plan

@@ -75,9 +75,10 @@ def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
     plan = nf4.plan_nf4(ws)
     assert set(nf4.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
-    print("plan:", {m: (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["stages"])
+    print("plan:", {m: c and (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["stages"])
                     for m, c in plan.items()})
-    for m in (1, 5, 64):
+    assert all(plan[m] is not None for m in nf4.NF4_CANDIDATES)
+    for m in (1, 5, 64, 200):  # 200: the planned kernel or the dequantized weight, captured either way
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         eager = [nf4.linear(x, w, plan) for w in ws]
         graph = torch.cuda.CUDAGraph()

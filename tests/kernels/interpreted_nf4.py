@@ -1,7 +1,7 @@
 """The NF4 kernels (kernels/nf4.py) on the CPU through Triton's interpreter, against bitsandbytes'
-own dequantize and a float32 product on the same packed weights, and the fused Gemma 3 forward on
-them against the engine's stock layers on bitsandbytes' `Linear4bit`. Run by test_interpreted.py
-in a process of its own:
+own dequantize and a float32 product on the same packed weights, and the fused forwards on them
+(Gemma 3, and Gemma 4 with experts) against the engine's stock layers on bitsandbytes'
+`Linear4bit`. Run by test_interpreted.py in a process of its own:
 
     TRITON_INTERPRET=1 python -m tests.kernels.interpreted_nf4
 
@@ -19,6 +19,7 @@ from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.kernels import fused_ops, nf4
 from engine.model import fused_forward, nf4_linear
 from engine.model.loader import LoadedModel, tiny_random_model
+from tests.helpers import tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 fused_ops._use_triton = nf4._use_triton = lambda x: True  # the kernels take CPU tensors here
@@ -102,22 +103,25 @@ def quantize_cpu(model):
     return model
 
 
-def check_forward() -> tuple[bool, float, int]:
+def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[bool, float, int]:
     """The engine on the fused forward (repacked NF4 linears, the kernels) against the engine's
     stock layers on bitsandbytes' own Linear4bit forward, greedy, several rows at once."""
     outs, logits = [], []
     for fused in (True, False):
-        model = quantize_cpu(tiny_random_model(7))
+        if family == "gemma3":
+            model = quantize_cpu(tiny_random_model(7))
+        else:  # every projection and router a whole number of groups wide; experts stay float32
+            model = quantize_cpu(tiny_gemma4(7, intermediate_size=128))
         cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
                            max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
         eng = Engine(cfg, LoadedModel(model, None, "tiny-nf4"))
         kinds = {type(m).__name__ for m in model.model.layers.modules()}
-        assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
+        assert (eng.runner.fused is not None) == fused
         assert ("NF4Linear" in kinds and "Linear4bit" not in kinds) if fused else ("NF4Linear" not in kinds)
         seen = {}
         eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
-        for i, n in enumerate((5, 23, 9)):
-            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=6,
+        for i, n in enumerate(lengths):
+            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=tokens,
                                                                                              ignore_eos=True)))
         out: dict[str, list[int]] = {}
         while eng.has_work():
@@ -149,10 +153,11 @@ def main() -> None:
     print(f"nf4 kernels vs bitsandbytes dequantize_4bit + matmul: worst relative error {worst:.1e}")
     assert worst < 1e-5, worst
     check_repack_keeps_what_it_refuses()
-    same, diff, steps = check_forward()
-    print(f"fused Gemma 3 forward on NF4 kernels vs stock layers on bitsandbytes: tokens equal {same}, "
-          f"max |logit diff| {diff:.1e} over {steps} steps")
-    assert same and diff < 1e-3
+    for family, lengths, tokens in (("gemma3", (5, 23, 9), 6), ("gemma4", (5, 19), 4)):
+        same, diff, steps = check_forward(family, lengths, tokens)
+        print(f"fused {family} forward on NF4 kernels vs stock layers on bitsandbytes: tokens equal {same}, "
+              f"max |logit diff| {diff:.1e} over {steps} steps")
+        assert same and diff < 1e-3
     print("OK")
 
 
