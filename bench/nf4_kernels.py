@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
-from engine.kernels import nf4
+from engine.kernels import nf4, nf4_plan
 from engine.kernels.small_linear import graph_ms
 
 ROTATE_BYTES = 256 << 20
@@ -71,7 +71,7 @@ def main() -> None:
             mods.append(lin.cuda())
         ws = [nf4.from_bnb(m.weight) for m in mods]
         full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n_out * k * 2)))]]
-        plan = nf4.plan_nf4(ws)
+        plan = nf4_plan.plan_nf4(ws)
         for m in a.n:
             x = torch.randn(m, k, device="cuda").to(dtype)
             ours = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))

@@ -43,8 +43,9 @@ def rel(a, b) -> float:
 
 
 def check_kernels() -> float:
-    """Every kernel launch kind (FMA rows, tl.dot tiles, split K, several row tiles) at 1, 3, 16
-    and 64 rows against bnb's dequantize_4bit + matmul; returns the worst relative error."""
+    """Every kernel launch kind (one row per program on FMAs, tl.dot tiles, split K, several row
+    tiles) at 1, 3, 16 and 64 rows, float32 and bfloat16 activations, against bnb's
+    dequantize_4bit + matmul; returns the worst relative error (float32)."""
     torch.manual_seed(0)
     worst = 0.0
     # widths of one group up to several, row counts off every block size; nested absmax and plain
@@ -60,7 +61,7 @@ def check_kernels() -> float:
             want = x @ want_w.T
             launches = [nf4.launch_for(m, n, k, 4),
                         dict(block_m=16, block_n=16, block_k=128, split=3),
-                        dict(block_m=1 << (min(8, m) - 1).bit_length(), block_n=32, block_k=64, split=2)]
+                        dict(block_m=1, block_n=32, block_k=64, split=2), dict(block_m=1, block_n=16, block_k=256, split=1)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.shape == (m, n) and got.dtype == x.dtype
@@ -69,6 +70,22 @@ def check_kernels() -> float:
         worst = max(worst, rel(nf4.linear(x, w), x @ want_w.T))
         fused = nf4.fuse([w, nf4.from_bnb(quantized(torch.randn(8, k)))])
         assert torch.equal(nf4.dequantize(fused)[:n], want_w)
+    # 16-bit activations (read as (even, odd) word pairs on the one-row path); the interpreter
+    # truncates where the GPU rounds, so to 16-bit rounding here. Its tl.dot gives garbage on
+    # bfloat16 operands (numpy has no bfloat16), so bfloat16 tiles are the GPU tests' part.
+    for dtype in (torch.bfloat16, torch.float16):
+        p = quantized((torch.randn(40, 320) * 0.05).to(dtype))
+        w, want_w = nf4.from_bnb(p), bnb_reference(p)
+        assert w.dtype == dtype and want_w.dtype == dtype
+        for m in (1, 3, 16):
+            x = torch.randn(m, 320).to(dtype)
+            want = x.float() @ want_w.float().T
+            launches = [dict(block_m=1, block_n=16, block_k=128, split=2)]
+            if dtype == torch.float16:
+                launches.append(dict(block_m=16, block_n=16, block_k=128, split=1))
+            for launch in launches:
+                got = nf4.nf4_matmul(x, w, **launch)
+                assert got.dtype == dtype and rel(got, want) < 1e-2, (dtype, m, launch, rel(got, want))
     # what the kernels refuse: other formats, groups, and rows that are not whole groups
     for kw, shape in ((dict(quant_type="fp4"), (8, 128)), (dict(blocksize=128), (8, 128)), ({}, (8, 96))):
         why = nf4.refusal(quantized(torch.randn(*shape), **kw))
