@@ -348,8 +348,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     programs of `block_m` rows x `block_n` columns over K in `split` slices (1: no partials);
     `shfl`: the code lookup by warp shuffle (CUDA only), else by loads."""
     _check(x, w)
-    if x.stride(1) != 1 or x.stride(0) % 2:  # rows of whole (even, odd) pairs
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # rows of whole, aligned (even, odd) pairs
+        x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.shape[0]
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or 1 < block_m < 16:

@@ -23,6 +23,8 @@ NF4_CANDIDATES = {
     64: ((64, 32, 256, 4), (64, 64, 128, 8), (64, 64, 256, 8), (32, 64, 256, 4), (64, 128, 128, 8)),
 }
 
+TIMED_ELEMENTS = 1 << 22  # smaller weights take launch_for's launches (checked, not timed against others)
+
 
 def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     """A product within its dtype's rounding of the reference (relative norm of the difference)."""
@@ -39,7 +41,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
     launches that agree are kept: those whose codes are looked up by warp shuffle, or, where
     none of them agrees at a row count, those that load them. Above the largest planned row
     count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it agrees and beats dequantizing
-    the weight for the library's product, else None (that product)."""
+    the weight for the library's product, else None (that product). Weights under
+    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
@@ -58,6 +61,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
 
     shfl = True
     for m, cands in NF4_CANDIDATES.items():
+        if n * k < TIMED_ELEMENTS:  # a small weight: launch_for's launch, checked, is as good as any
+            cands = [(c["block_m"], c["block_n"], c["block_k"], c["warps"]) for c in [launch_for(m, n, k, sms)]]
         x = torch.randn(m, k, device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
         for lookup in dict.fromkeys((shfl, False)):

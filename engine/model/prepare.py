@@ -34,8 +34,10 @@ def prepare(model, device: torch.device, fused: bool, pdl: bool) -> Prepared:
     the model allows it; `pdl`: its kernels launched with PDL (the device supports it)."""
     hf_adapter.use_row_attention(model)
     if fused:
-        nf4_linear.repack(model)
-        gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
+        family = type(model.get_decoder()).__name__
+        if family in ("Gemma3TextModel", "Gemma4TextModel"):  # the families with a fused forward
+            nf4_linear.repack(model)
+        gemma4 = family == "Gemma4TextModel"
         decoder = (fused_gemma4 if gemma4 else fused_forward).build(model, pdl)
         if decoder is not None:
             return Prepared(decoder.forward, decoder, True)
