@@ -14,7 +14,8 @@ from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_fo
 # tried with K split for about 2 and about 4 programs per SM (`with_split`; the split is a launch
 # argument, so both share one compiled kernel).
 NF4_CANDIDATES = {
-    1: ((1, 32, 512, 4), (1, 64, 256, 4), (1, 64, 512, 4), (1, 128, 256, 8), (1, 16, 1024, 4), (1, 32, 1024, 4)),
+    1: ((1, 32, 512, 4), (1, 64, 256, 4), (1, 64, 512, 4), (1, 128, 256, 8), (1, 16, 1024, 4), (1, 32, 1024, 4),
+        (1, 64, 1024, 8), (1, 128, 512, 8)),
     2: ((1, 32, 512, 4), (1, 64, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4)),
     4: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
     8: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
