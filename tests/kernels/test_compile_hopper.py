@@ -46,3 +46,19 @@ def test_nf4_kernel_compiles_for_sm90(variant):
         raise
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert ("shfl.sync.idx.b32" in kernel.asm["ptx"]) == shfl
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_nf4_dequantize_kernel_compiles_for_sm90(dtype):
+    triton = pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels import nf4
+
+    sig = {"P": "*u8", "S": "*fp32", "C": "*fp32", "W": f"*{dtype}", "N": "i32", "K": "i32", "stride_p": "i32",
+           "stride_s": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SHFL": "constexpr"}
+    kernel = triton.compile(ASTSource(fn=nf4._dequantize_kernel, signature=sig,
+                                      constexprs=dict(BLOCK_N=16, BLOCK_K=256, SHFL=False)),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.asm["cubin"]
