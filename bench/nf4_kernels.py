@@ -4,7 +4,7 @@ its timed plan (kernels/nf4.py), bitsandbytes' own `Linear4bit` forward on the s
 weights, and the library product on the weights dequantized to the compute dtype (what a
 full-precision model reads), each in us per product and GB/s of the bytes it must read, beside
 the measured copy bandwidth. Every candidate is timed from a CUDA graph that cycles over copies
-of its weights (256 MB or more in all) so that, as in a forward, they are not served from L2.
+of its weights (128 MB or more in all) so that, as in a forward, they are not served from L2.
 
     python -m bench.nf4_kernels [--shape gemma3-4b] [--n 1 8 64] [--out bench/results]
 """
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
-from engine.kernels import nf4
+from engine.kernels import nf4, nf4_plan
 from engine.kernels.small_linear import graph_ms
 
-ROTATE_BYTES = 256 << 20
+ROTATE_BYTES = 128 << 20
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -48,6 +48,7 @@ def timed(fn, calls: int) -> float | None:
 @torch.no_grad()
 def main() -> None:
     import bitsandbytes as bnb
+    from bitsandbytes.functional import quantize_4bit
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
@@ -64,14 +65,16 @@ def main() -> None:
         nbytes = n_out * k // 2 + n_out * k // 64 * 4
         copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
         mods = []
-        for c in range(copies):
-            lin = bnb.nn.Linear4bit(k, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", device="cpu")
-            lin.weight = bnb.nn.Params4bit((torch.randn(n_out, k, device="cuda") * 0.02).to(dtype).cpu(),
-                                           requires_grad=False, quant_type="nf4")
-            mods.append(lin.cuda())
+        for c in range(copies):  # quantized on the GPU, as bitsandbytes' Linear4bit holds them
+            packed, state = quantize_4bit((torch.randn(n_out, k, device="cuda") * 0.02).to(dtype), blocksize=64,
+                                          quant_type="nf4", compress_statistics=True)
+            lin = bnb.nn.Linear4bit(k, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", device="meta")
+            lin.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4",
+                                           bnb_quantized=True)
+            mods.append(lin)
         ws = [nf4.from_bnb(m.weight) for m in mods]
         full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n_out * k * 2)))]]
-        plan = nf4.plan_nf4(ws)
+        plan = nf4_plan.plan_nf4(ws)
         for m in a.n:
             x = torch.randn(m, k, device="cuda").to(dtype)
             ours = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))

@@ -15,19 +15,32 @@ with one input are concatenated (`fuse`), as the bf16 forward fuses Q/K/V and ga
 
 `nf4_matmul` (x [M, K] @ W^T): each program owns `block_n` output columns and a `k_per` slice
 of K (split-K where there are too few columns to cover the GPU: float32 partials per split, then
-one kernel sums them in a fixed order; no atomics), streams its weight tile once for all M rows,
-decodes it in registers (code gather, times the group's absmax, rounded to the compute dtype
-exactly as bnb's dequantize rounds) and multiplies: broadcast FMAs for a few rows, `tl.dot` for
-16 or more. The activations are read at even and odd columns, against the high and low nibbles,
-so the packed bytes never need reordering. `plan_nf4` times a few launches per row count on a
-model's own weights and keeps the fastest (`launch_for` falls back to a fixed rule where there
-is no plan). `dequantize` writes the whole weight in the compute dtype (prefill chunks).
+one kernel sums them in a fixed order; no atomics) and streams its weight once for all its rows,
+a few whole groups per step ([block_n, 32] bytes and one absmax per row each). The work per
+weight element is what bounds it at decode sizes (the bytes are a quarter of bf16's), so each
+step is kept to a few instructions per element:
+  - the code lookup is a warp shuffle (`SHFL`): each lane holds code[lane % 16] and each nibble,
+    shifted down, names the source lane; no address arithmetic or load per element (the
+    interpreter, which has no inline assembly, loads from the table instead);
+  - 16-bit activations are read as one 32-bit word per (even, odd) column pair, against a
+    byte's high and low nibbles, so the packed bytes are never reordered;
+  - one row (`block_m` 1, a decode step of one token): FMAs of x with the code values, each
+    group's sums times its absmax, reduced over the columns once at the end. That is the product
+    of the exact weights (code x absmax), within a rounding of bnb's, which rounds each weight to
+    the compute dtype first;
+  - 16 to 64 rows: each group decoded as bnb decodes it (code x absmax, rounded to the compute
+    dtype) and multiplied on tensor cores (`tl.dot`).
+`nf4_plan.plan_nf4` times a few launches per row count on a model's own weights and keeps the
+fastest of those that agree with the library's product on the dequantized weight (`launch_for`
+is a fixed rule where there is no plan); from 128 rows it also weighs that library product.
+`dequantize` writes the whole weight in the compute dtype, bit for bit bnb's (prefill chunks).
 
 Without Triton, or off CUDA (tests), `dequantize_ref` and `F.linear` compute the same function.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -130,88 +143,187 @@ def dequantize_ref(w: NF4Weight) -> torch.Tensor:
 
 if triton is not None:
 
+    # The code lookup by warp shuffle: every lane loads code[lane % 16] once per call, and each
+    # nibble is the source lane of a shuffle of that register (shfl.sync.idx reads bits 4:0 of
+    # the index; both half-warps hold the table, so a nibble shifted down with whatever bits lie
+    # above it names a lane holding code[nibble]). Four bytes per call (pack=4): 8 lookups for 4
+    # loads' worth of setup, no address arithmetic per element. Outputs: the high nibbles' codes,
+    # then the low nibbles', as float32 bit patterns.
+    _SHFL_CODES = tl.constexpr("""
+    {
+    .reg .b32 lane, a, t;
+    .reg .b64 addr;
+    mov.u32 lane, %laneid;
+    and.b32 lane, lane, 15;
+    mad.wide.u32 addr, lane, 4, $9;
+    ld.global.nc.b32 a, [addr];
+    shr.b32 t, $8, 4;
+    shfl.sync.idx.b32 $0, a, t, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 12;
+    shfl.sync.idx.b32 $1, a, t, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 20;
+    shfl.sync.idx.b32 $2, a, t, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 28;
+    shfl.sync.idx.b32 $3, a, t, 0x1f, 0xffffffff;
+    shfl.sync.idx.b32 $4, a, $8, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 8;
+    shfl.sync.idx.b32 $5, a, t, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 16;
+    shfl.sync.idx.b32 $6, a, t, 0x1f, 0xffffffff;
+    shr.b32 t, $8, 24;
+    shfl.sync.idx.b32 $7, a, t, 0x1f, 0xffffffff;
+    }
+    """)
+
     @triton.jit
-    def _nf4_tile(P, S, C, rn, nm, k0, k_hi, stride_p, stride_s, OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """The weight tile of rows rn, columns [k0, k0 + BLOCK_K), decoded: (even columns, odd
-        columns), each [BLOCK_N, BLOCK_K / 2] in OUT (zero past k_hi and past the last row)."""
-        G: tl.constexpr = BLOCK_K // 64
-        rg = tl.arange(0, G)
-        rb = tl.arange(0, 32)
-        gm = (k0 + rg * 64) < k_hi
-        m3 = nm[:, None, None] & gm[None, :, None]
-        row = rn[:, None, None].to(tl.int64)
-        p = tl.load(P + row * stride_p + (k0 // 2 + rg[None, :, None] * 32 + rb[None, None, :]), mask=m3, other=0)
-        s = tl.load(S + row * stride_s + (k0 // 64 + rg[None, :, None]), mask=m3, other=0.0)
-        hi = (tl.load(C + (p >> 4).to(tl.int32)) * s).to(OUT)
-        lo = (tl.load(C + (p & 15).to(tl.int32)) * s).to(OUT)
-        return tl.reshape(hi, [BLOCK_N, BLOCK_K // 2]), tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+    def _codes(p, C, SHFL: tl.constexpr):
+        """The NF4 code values (float32) of the high and low nibbles of the bytes p: by warp
+        shuffle (SHFL, CUDA) or by a load from the table (any device, Triton's interpreter)."""
+        if SHFL:
+            table = C + tl.zeros(p.shape, tl.int32)
+            hi, lo = tl.inline_asm_elementwise(_SHFL_CODES, "=r,=r,=r,=r,=r,=r,=r,=r,r,l,l,l,l", [p, table],
+                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
+            return hi.to(tl.float32, bitcast=True), lo.to(tl.float32, bitcast=True)
+        else:
+            return tl.load(C + (p >> 4).to(tl.int32)), tl.load(C + (p & 15).to(tl.int32))
+
+    @triton.jit
+    def _nf4_group(P, S, C, rn, nm, kg, k_hi, stride_p, stride_s, SHFL: tl.constexpr, EVEN: tl.constexpr = False):
+        """The group of 64 columns from kg of weight rows rn: the code values of its even and odd
+        columns ([BLOCK_N, 32] float32 each) and the rows' absmax ([BLOCK_N, 1]); zero past k_hi
+        (EVEN: the caller knows kg < k_hi) and past the last row."""
+        if EVEN:
+            ok = nm
+        else:
+            ok = nm & ((rn * 0 + kg) < k_hi)
+        row = rn.to(tl.int64)
+        byte = tl.multiple_of(kg // 2, 32)  # groups start at multiples of 64 columns: whole 16-byte vectors
+        p = tl.load(P + row[:, None] * stride_p + (byte + tl.arange(0, 32))[None, :], mask=ok[:, None], other=0)
+        s = tl.load(S + row * stride_s + kg // 64, mask=ok, other=0.0)[:, None]
+        hi, lo = _codes(p, C, SHFL)
+        return hi, lo, s
+
+    @triton.jit
+    def _x_group(X, rm, mm, stride_xm, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
+        """Rows rm's even and odd columns of the group from kg, [BLOCK_M, 32] each in X's dtype:
+        16-bit activations (X16) read as one 32-bit word per (even, odd) pair and split in
+        registers, others read at stride 2 (EVEN: the group lies below k_hi)."""
+        j = tl.arange(0, 32)
+        if EVEN:
+            xm = mm[:, None]
+        else:
+            xm = mm[:, None] & ((kg + 2 * j) < k_hi)[None, :]
+        if X16:
+            words = X.to(tl.pointer_type(tl.int32)) + rm[:, None].to(tl.int64) * (stride_xm // 2)
+            w = tl.load(words + tl.multiple_of(kg // 2, 32) + j[None, :], mask=xm, other=0)
+            if BF16:
+                return (w.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                        (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+            else:
+                return w.to(tl.int16).to(tl.float16, bitcast=True), (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            xrow = X + rm[:, None].to(tl.int64) * stride_xm
+            col = kg + 2 * j[None, :]
+            return tl.load(xrow + col, mask=xm, other=0.0), tl.load(xrow + col + 1, mask=xm, other=0.0)
+
+    @triton.jit
+    def _x_pairs(xr, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
+        """One row's even and odd columns of the group from kg as float32 [32] each: 16-bit
+        activations (X16) read as one 32-bit word per (even, odd) pair and split in registers,
+        others read at stride 2 (EVEN: the group lies below k_hi)."""
+        j = tl.arange(0, 32)
+        if EVEN:
+            ok = j < 32
+        else:
+            ok = (kg + 2 * j) < k_hi
+        if X16:
+            w = tl.load(xr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(kg // 2, 32) + j, mask=ok, other=0)
+            if BF16:  # a bfloat16 is the upper half of its float32
+                return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+            else:
+                even = (w & 65535).to(tl.int16).to(tl.float16, bitcast=True)
+                odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                return even.to(tl.float32), odd.to(tl.float32)
+        else:
+            even = tl.load(xr + kg + 2 * j, mask=ok, other=0.0)
+            odd = tl.load(xr + kg + 2 * j + 1, mask=ok, other=0.0)
+            return even.to(tl.float32), odd.to(tl.float32)
 
     @triton.jit
     def _nf4_matmul_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr = False):
+                           PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SHFL: tl.constexpr,
+                           X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+        """Each step of the K loop decodes BLOCK_K / 64 whole groups, one [BLOCK_N, 32] tile of
+        bytes each (a group's absmax is one value per row). DOT: tiles of BLOCK_M rows on tensor
+        cores; else one row per program (BLOCK_M 1), on FMAs. EVEN: every K slice is whole
+        BLOCK_K steps (no column masks)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rh = tl.arange(0, BLOCK_K // 2)
         nm = rn < N
         mm = rm < M
         k_lo = pid_k * k_per
         k_hi = tl.minimum(k_lo + k_per, K)
         pdl_enter(GDC)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        xrow = X + rm[:, None].to(tl.int64) * stride_xm
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            even, odd = _nf4_tile(P, S, C, rn, nm, k0, k_hi, stride_p, stride_s, X.dtype.element_ty, BLOCK_N,
-                                  BLOCK_K)
-            col = k0 + 2 * rh
-            xm = mm[:, None] & (col < k_hi)[None, :]
-            xe = tl.load(xrow + col[None, :], mask=xm, other=0.0)
-            xo = tl.load(xrow + col[None, :] + 1, mask=xm, other=0.0)
-            if DOT:
-                if IEEE:
-                    acc += tl.dot(xe, tl.trans(even), input_precision="ieee")
-                    acc += tl.dot(xo, tl.trans(odd), input_precision="ieee")
-                else:
-                    acc += tl.dot(xe, tl.trans(even))
-                    acc += tl.dot(xo, tl.trans(odd))
-            else:
-                acc += tl.sum(xe.to(tl.float32)[:, None, :] * even.to(tl.float32)[None, :, :], axis=2)
-                acc += tl.sum(xo.to(tl.float32)[:, None, :] * odd.to(tl.float32)[None, :, :], axis=2)
+        if DOT:  # the weight as bnb dequantizes it (code x absmax, rounded), on tensor cores
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                for g in tl.static_range(BLOCK_K // 64):
+                    hi, lo, s = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, SHFL, EVEN)
+                    even = (hi * s).to(X.dtype.element_ty)
+                    odd = (lo * s).to(X.dtype.element_ty)
+                    xe, xo = _x_group(X, rm, mm, stride_xm, k0 + 64 * g, k_hi, X16, BF16, EVEN)
+                    if IEEE:
+                        acc += tl.dot(xe, tl.trans(even), input_precision="ieee")
+                        acc += tl.dot(xo, tl.trans(odd), input_precision="ieee")
+                    else:
+                        acc += tl.dot(xe, tl.trans(even))
+                        acc += tl.dot(xo, tl.trans(odd))
+        else:  # x times the code values, each group's products times its absmax, summed over K at the end
+            xr = X + pid_m.to(tl.int64) * stride_xm
+            acc2 = tl.zeros([BLOCK_N, 32], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                for g in tl.static_range(BLOCK_K // 64):
+                    hi, lo, s = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, SHFL, EVEN)
+                    xe, xo = _x_pairs(xr, k0 + 64 * g, k_hi, X16, BF16, EVEN)
+                    acc2 += (hi * xe[None, :] + lo * xo[None, :]) * s
+            acc = tl.sum(acc2, axis=1)[None, :]
         out = Y + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        if SPLIT == 1:
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
-        else:
+        if PARTIAL:  # float32 partials of this K slice, summed by _sum_splits_kernel
             tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+        else:
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
-    def _sum_splits_kernel(Part, Y, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    def _sum_splits_kernel(Part, Y, total, split, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         pdl_enter(GDC)
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < total
         acc = tl.zeros([BLOCK], tl.float32)
-        for s in range(SPLIT):
+        for s in range(split):
             acc += tl.load(Part + s * total + idx, mask=ok, other=0.0)
         tl.store(Y + idx, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _dequantize_kernel(P, S, C, W, N, K, stride_p, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequantize_kernel(P, S, C, W, N, K, stride_p, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SHFL: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k0 = tl.program_id(1) * BLOCK_K
         nm = rn < N
-        even, odd = _nf4_tile(P, S, C, rn, nm, k0, K, stride_p, stride_s, W.dtype.element_ty, BLOCK_N, BLOCK_K)
-        col = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        ptr = W + rn[:, None].to(tl.int64) * K + col[None, :]
-        m = nm[:, None] & (col < K)[None, :]
-        tl.store(ptr, even, mask=m)
-        tl.store(ptr + 1, odd, mask=m)
+        for g in tl.static_range(BLOCK_K // 64):
+            kg = tl.program_id(1) * BLOCK_K + 64 * g
+            hi, lo, s = _nf4_group(P, S, C, rn, nm, kg, K, stride_p, stride_s, SHFL)
+            ptr = W + rn[:, None].to(tl.int64) * K + (kg + 2 * tl.arange(0, 32))[None, :]
+            m = nm[:, None] & ((kg + 2 * tl.arange(0, 32)) < K)[None, :]
+            tl.store(ptr, (hi * s).to(W.dtype.element_ty), mask=m)
+            tl.store(ptr + 1, (lo * s).to(W.dtype.element_ty), mask=m)
 
 
 def dequantize(w: NF4Weight) -> torch.Tensor:
-    """The weight [N, K] in its compute dtype (the same values as `dequantize_ref`)."""
+    """The weight [N, K] in its compute dtype (the same values as `dequantize_ref`; the code
+    lookup by loads, as no check precedes its use)."""
     if not _use_triton(w.packed):
         return dequantize_ref(w)
     n, k = w.shape
@@ -219,7 +331,7 @@ def dequantize(w: NF4Weight) -> torch.Tensor:
     bn, bk = 16, 256
     _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w.packed, w.scales, w.code, out, n, k, w.packed.stride(0), w.scales.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4)
+        SHFL=False, num_warps=4)
     return out
 
 
@@ -231,16 +343,18 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
-               warps: int = 4, stages: int = 3, pdl: bool = False) -> torch.Tensor:
+               warps: int = 4, stages: int = 3, shfl: bool = False, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
-    programs of `block_m` rows x `block_n` columns over K in `split` slices (1: no partials)."""
+    programs of `block_m` rows x `block_n` columns over K in `split` slices (1: no partials);
+    `shfl`: the code lookup by warp shuffle (CUDA only), else by loads."""
     _check(x, w)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # rows of whole, aligned (even, odd) pairs
+        x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.shape[0]
-    if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1):
-        raise ValueError("block_k must be a multiple of 64, block_m and block_n powers of two")
+    if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or 1 < block_m < 16:
+        raise ValueError("block_k must be a multiple of 64, block_n a power of two, block_m 1 or a power of "
+                         "two from 16")
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -250,101 +364,63 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     args = kernel_args(pdl)
     _nf4_matmul_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
         x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=block_m >= 16,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **args)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, DOT=block_m >= 16,
+        IEEE=x.dtype == torch.float32, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
+        BF16=x.dtype == torch.bfloat16, EVEN=k % block_k == 0, num_warps=warps, num_stages=stages, **args)
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT=split, BLOCK=block, num_warps=4,
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block, num_warps=4,
                                                          **args)
     return y
 
 
-def launch_for(m: int, n: int, k: int, sms: int) -> dict:
-    """A launch for `m` rows without a timed plan: broadcast FMAs up to 8 rows (tiles kept to
-    about 64 float32 products per thread), `tl.dot` from 16 (tiles of up to 64 rows), and as
-    many K slices as it takes for about two programs per SM."""
-    if m <= 8:
-        mp = triton.next_power_of_2(max(m, 1))
-        block_n, block_k = (32, 512) if mp == 1 else (16, 512 // mp) if mp <= 4 else (16, 128)
-        block_m = mp
+def launch_for(m: int, n: int, k: int, sms: int, shfl: bool = False) -> dict:
+    """A launch for `m` rows without a timed plan: FMAs for one row, else `tl.dot` on tiles of
+    16 to 64 rows, K split for about two programs per SM."""
+    if m == 1:
+        cand = (1, 32, 512, 4)
     else:
-        block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(m))), 32, 256
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = 1
-    while programs * split < 2 * sms and split * 2 * block_k <= k:
-        split *= 2
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=4, stages=3)
+        cand = (min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4)
+    return with_split(cand, m, n, k, sms, 3, shfl=shfl)
 
 
-def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None, pdl: bool = False,
-           sms: int = 132) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N]: the fused kernel up to MAX_KERNEL_ROWS rows, with the plan's
-    launch for the smallest planned row count >= M (a plan's None: dequantize and the library
-    product there), else `launch_for`'s; more rows dequantize W and run `F.linear`."""
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None,
+           pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
+    launch for the smallest planned row count >= M (without one, `launch_for`'s, lookups by
+    loads; a planned None: as for more rows); more rows dequantize W and run `F.linear`."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):
         return F.linear(x, dequantize_ref(w))
-    cfg: dict | None = None
+    cfg = None
     if m <= MAX_KERNEL_ROWS:
         planned = [r for r in (plan or {}) if r >= m]
-        cfg = plan[min(planned)] if planned else launch_for(m, w.shape[0], w.shape[1], sms)
+        if planned:
+            cfg = plan[min(planned)]
+        else:
+            sms = 4  # Triton's interpreter on the CPU
+            if x.is_cuda:
+                sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            cfg = launch_for(m, w.shape[0], w.shape[1], sms)
     if cfg is None:
         return F.linear(x, dequantize(w))
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
-# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps; 3 pipeline stages, and
-# 4 too at one row); the K split of each is `launch_for`'s rule (about two programs per SM)
-NF4_CANDIDATES = {
-    1: ((1, 32, 512, 4), (1, 16, 512, 4), (1, 64, 256, 4), (1, 32, 256, 2)),
-    2: ((2, 16, 512, 4), (2, 32, 256, 4), (16, 32, 256, 4)),
-    4: ((4, 16, 256, 4), (4, 32, 128, 4), (16, 32, 256, 4)),
-    8: ((8, 16, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4)),
-    16: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)),
-    32: ((32, 32, 256, 4), (32, 64, 128, 4), (16, 64, 256, 4)),
-    64: ((64, 32, 256, 4), (64, 64, 128, 8), (32, 64, 256, 4)),
-}
-
-
-def _with_split(cand: tuple[int, int, int, int], m: int, n: int, k: int, sms: int, stages: int) -> dict:
+def with_split(cand: tuple[int, int, int, int], m: int, n: int, k: int, sms: int, stages: int,
+                per_sm: int = 2, shfl: bool = False) -> dict:
+    """`cand` as `nf4_matmul`'s launch, K split in two until there are `per_sm` programs per SM
+    (or a slice would be under two K blocks)."""
     block_m, block_n, block_k, warps = cand
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
-    while programs * split < 2 * sms and split * 2 * block_k <= k:
+    while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages)
-
-
-@torch.no_grad()
-def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict]:
-    """Per planned row count (NF4_CANDIDATES), the fastest `nf4_matmul` launch on these
-    same-shaped weights (a product with each in turn, as a forward runs its layers), timed from
-    a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Row counts above
-    the largest planned one up to MAX_KERNEL_ROWS get `launch_for`'s launch."""
-    if triton is None or not weights or weights[0].device.type != "cuda":
-        return {}
-    from engine.kernels.small_linear import graph_ms
-
-    w0 = weights[0]
-    n, k = w0.shape
-    sms = torch.cuda.get_device_properties(w0.device).multi_processor_count
-    plan: dict[int, dict] = {}
-    for m, cands in NF4_CANDIDATES.items():
-        x = torch.randn(m, k, device=w0.device).to(w0.dtype)
-        pdl = pdl_for is not None and pdl_for(m)
-        best = None
-        for cand in cands:
-            for stages in ((3, 4) if m == 1 else (3,)):
-                cfg = _with_split(cand, m, n, k, sms, stages)
-                try:
-                    t = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
-                except Exception:  # a launch this GPU cannot compile (shared memory, registers)
-                    continue
-                if best is None or t < best:
-                    best, plan[m] = t, cfg
-    rows = max(NF4_CANDIDATES)
-    while rows < MAX_KERNEL_ROWS:
-        rows *= 2
-        plan[rows] = launch_for(rows, n, k, sms)
-    return plan
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages,
+                shfl=shfl)

@@ -49,7 +49,8 @@ from engine.kernels import launch
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
-from engine.kernels.nf4 import NF4Weight, plan_nf4
+from engine.kernels.nf4 import NF4Weight
+from engine.kernels.nf4_plan import plan_nf4
 from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
 from engine.model.nf4_linear import NF4Linear, fuse_nf4_rows
 from engine.model.quant import Int8Linear, Int8Weight, fuse_int8

@@ -35,9 +35,10 @@ def prepare(model, device: torch.device, fused: bool, pdl: bool, nf4: bool = Fal
     bitsandbytes 4-bit linears repacked for the engine's NF4 kernels first."""
     hf_adapter.use_row_attention(model)
     if fused:
-        if nf4:
+        family = type(model.get_decoder()).__name__
+        if nf4 and family in ("Gemma3TextModel", "Gemma4TextModel"):  # the families with a fused forward
             nf4_linear.repack(model)
-        gemma4 = type(model.get_decoder()).__name__ == "Gemma4TextModel"
+        gemma4 = family == "Gemma4TextModel"
         decoder = (fused_gemma4 if gemma4 else fused_forward).build(model, pdl)
         if decoder is not None:
             return Prepared(decoder.forward, decoder, True)

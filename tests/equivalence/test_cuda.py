@@ -298,10 +298,12 @@ def test_substituted_linears_keep_model_outputs():
         assert ((g - w).norm() / w.norm()).item() < 2e-2
 
 
-def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
+@pytest.mark.parametrize("nf4", [False, True])
+def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights(nf4):
     """bitsandbytes NF4 weights (quantized in memory from a bf16 random Gemma-3): the engine's
-    greedy tokens (captured decode graphs, the NF4 kernels) agree with HF generate on the same
-    quantized model (bitsandbytes' own forward)."""
+    greedy tokens (captured decode graphs; bitsandbytes' layers, or with `nf4` the engine's NF4
+    kernels in its fused forward) agree with HF generate on the same quantized model
+    (bitsandbytes' own forward)."""
     pytest.importorskip("bitsandbytes")
     from engine.model.loader import quantize_bnb4
 
@@ -314,10 +316,12 @@ def test_cuda_bnb4_engine_agrees_with_hf_on_the_same_weights():
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 130)]
     cfg = EngineConfig(model="tiny-random", device="cuda", dtype="bfloat16", quantization="bnb-4bit",
-                       kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=4)
+                       kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=4,
+                       nf4_kernels=nf4)
     engine = Engine(cfg, LoadedModel(model, None, "tiny"))
-    # the fused forward on the engine's NF4 kernels (test_cuda_nf4.py holds them to bitsandbytes')
-    assert engine.runner.fused is not None and any(type(m).__name__ == "NF4Linear" for m in model.modules())
+    # nf4: the fused forward on the engine's NF4 kernels (test_cuda_nf4.py holds them to bitsandbytes')
+    repacked = any(type(m).__name__ == "NF4Linear" for m in model.modules())
+    assert (engine.runner.fused is not None) == nf4 and repacked == nf4
     out = run_all(engine, [Request(f"r{i}", p, greedy(32)) for i, p in enumerate(prompts)])
     assert engine.runner.decoder.steps > 20
     prefix = equal_prefix((out[f"r{i}"], hf_greedy(ref, p, 32)) for i, p in enumerate(prompts))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, Request
-from engine.kernels import nf4
+from engine.kernels import nf4, nf4_plan
 from engine.model.loader import LoadedModel, tiny_random_model
 from tests.helpers import greedy, run_all, tiny_gemma4
 from tests.scenarios import Recorder
@@ -56,12 +56,13 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
             x = torch.randn(m, k, device="cuda").to(dtype)
             want = F.linear(x, want_w)
             launches = [None]  # nf4.linear without a plan: launch_for, or (300 rows) dequantize + F.linear
-            if i < 3:
-                for rows, cands in nf4.NF4_CANDIDATES.items():
+            if i < 2 and dtype == torch.bfloat16:  # the planned launches at this row count: codes by shuffle and by loads
+                for rows, cands in nf4_plan.NF4_CANDIDATES.items():
                     if rows >= m:
-                        launches += [nf4._with_split(c, m, n, k, sms, 3) for c in cands]
+                        launches += [nf4.with_split(c, m, n, k, sms, 3, shfl=True) for c in cands]
+                        launches += [nf4.with_split(c, m, n, k, sms, 3, shfl=False) for c in cands[:1]]
                         break
-                launches.append(dict(nf4.launch_for(m, n, k, sms), split=1))
+                launches.append(dict(nf4.launch_for(m, n, k, sms, shfl=True), split=1))
             for launch in launches:
                 got = nf4.linear(x, w) if launch is None else nf4.nf4_matmul(x, w, **launch)
                 err = rel(got, want)
@@ -73,11 +74,13 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
 def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
     pytest.importorskip("bitsandbytes")
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
-    plan = nf4.plan_nf4(ws)
-    assert set(nf4.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
-    print("plan:", {m: (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["stages"])
+    plan = nf4_plan.plan_nf4(ws)
+    assert set(nf4_plan.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
+    print("plan:", {m: c and (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["shfl"])
                     for m, c in plan.items()})
-    for m in (1, 5, 64):
+    assert all(plan[m] is not None for m in nf4_plan.NF4_CANDIDATES)
+    assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES), "the warp-shuffle code lookup agrees on this GPU"
+    for m in (1, 5, 64, 200):  # 200: the planned kernel or the dequantized weight, captured either way
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         eager = [nf4.linear(x, w, plan) for w in ws]
         graph = torch.cuda.CUDAGraph()

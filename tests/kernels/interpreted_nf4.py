@@ -1,7 +1,7 @@
 """The NF4 kernels (kernels/nf4.py) on the CPU through Triton's interpreter, against bitsandbytes'
-own dequantize and a float32 product on the same packed weights, and the fused Gemma 3 forward on
-them against the engine's stock layers on bitsandbytes' `Linear4bit`. Run by test_interpreted.py
-in a process of its own:
+own dequantize and a float32 product on the same packed weights, and the fused forwards on them
+(Gemma 3, and Gemma 4 with experts) against the engine's stock layers on bitsandbytes'
+`Linear4bit`. Run by test_interpreted.py in a process of its own:
 
     TRITON_INTERPRET=1 python -m tests.kernels.interpreted_nf4
 
@@ -19,6 +19,7 @@ from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.kernels import fused_ops, nf4
 from engine.model import fused_forward, nf4_linear
 from engine.model.loader import LoadedModel, tiny_random_model
+from tests.helpers import tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 fused_ops._use_triton = nf4._use_triton = lambda x: True  # the kernels take CPU tensors here
@@ -42,8 +43,9 @@ def rel(a, b) -> float:
 
 
 def check_kernels() -> float:
-    """Every kernel launch kind (FMA rows, tl.dot tiles, split K, several row tiles) at 1, 3, 16
-    and 64 rows against bnb's dequantize_4bit + matmul; returns the worst relative error."""
+    """Every kernel launch kind (one row per program on FMAs, tl.dot tiles, split K, several row
+    tiles) at 1, 3, 16 and 64 rows, float32 and bfloat16 activations, against bnb's
+    dequantize_4bit + matmul; returns the worst relative error (float32)."""
     torch.manual_seed(0)
     worst = 0.0
     # widths of one group up to several, row counts off every block size; nested absmax and plain
@@ -59,7 +61,7 @@ def check_kernels() -> float:
             want = x @ want_w.T
             launches = [nf4.launch_for(m, n, k, 4),
                         dict(block_m=16, block_n=16, block_k=128, split=3),
-                        dict(block_m=1 << (min(8, m) - 1).bit_length(), block_n=32, block_k=64, split=2)]
+                        dict(block_m=1, block_n=32, block_k=64, split=2), dict(block_m=1, block_n=16, block_k=256, split=1)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.shape == (m, n) and got.dtype == x.dtype
@@ -68,6 +70,22 @@ def check_kernels() -> float:
         worst = max(worst, rel(nf4.linear(x, w), x @ want_w.T))
         fused = nf4.fuse([w, nf4.from_bnb(quantized(torch.randn(8, k)))])
         assert torch.equal(nf4.dequantize(fused)[:n], want_w)
+    # 16-bit activations (read as (even, odd) word pairs on the one-row path); the interpreter
+    # truncates where the GPU rounds, so to 16-bit rounding here. Its tl.dot gives garbage on
+    # bfloat16 operands (numpy has no bfloat16), so bfloat16 tiles are the GPU tests' part.
+    for dtype in (torch.bfloat16, torch.float16):
+        p = quantized((torch.randn(40, 320) * 0.05).to(dtype))
+        w, want_w = nf4.from_bnb(p), bnb_reference(p)
+        assert w.dtype == dtype and want_w.dtype == dtype
+        for m in (1, 3, 16):
+            x = torch.randn(m, 320).to(dtype)
+            want = x.float() @ want_w.float().T
+            launches = [dict(block_m=1, block_n=16, block_k=128, split=2)]
+            if dtype == torch.float16:
+                launches.append(dict(block_m=16, block_n=16, block_k=128, split=1))
+            for launch in launches:
+                got = nf4.nf4_matmul(x, w, **launch)
+                assert got.dtype == dtype and rel(got, want) < 1e-2, (dtype, m, launch, rel(got, want))
     # what the kernels refuse: other formats, groups, and rows that are not whole groups
     for kw, shape in ((dict(quant_type="fp4"), (8, 128)), (dict(blocksize=128), (8, 128)), ({}, (8, 96))):
         why = nf4.refusal(quantized(torch.randn(*shape), **kw))
@@ -102,22 +120,26 @@ def quantize_cpu(model):
     return model
 
 
-def check_forward() -> tuple[bool, float, int]:
+def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[bool, float, int]:
     """The engine on the fused forward (repacked NF4 linears, the kernels) against the engine's
     stock layers on bitsandbytes' own Linear4bit forward, greedy, several rows at once."""
     outs, logits = [], []
     for fused in (True, False):
-        model = quantize_cpu(tiny_random_model(7))
+        if family == "gemma3":
+            model = quantize_cpu(tiny_random_model(7))
+        else:  # every projection and router a whole number of groups wide; experts stay float32
+            model = quantize_cpu(tiny_gemma4(7, intermediate_size=128))
         cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
-                           max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
+                           max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused,
+                           nf4_kernels=fused)
         eng = Engine(cfg, LoadedModel(model, None, "tiny-nf4"))
         kinds = {type(m).__name__ for m in model.model.layers.modules()}
-        assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
+        assert (eng.runner.fused is not None) == fused
         assert ("NF4Linear" in kinds and "Linear4bit" not in kinds) if fused else ("NF4Linear" not in kinds)
         seen = {}
         eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
-        for i, n in enumerate((5, 23, 9)):
-            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=6,
+        for i, n in enumerate(lengths):
+            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=tokens,
                                                                                              ignore_eos=True)))
         out: dict[str, list[int]] = {}
         while eng.has_work():
@@ -149,10 +171,11 @@ def main() -> None:
     print(f"nf4 kernels vs bitsandbytes dequantize_4bit + matmul: worst relative error {worst:.1e}")
     assert worst < 1e-5, worst
     check_repack_keeps_what_it_refuses()
-    same, diff, steps = check_forward()
-    print(f"fused Gemma 3 forward on NF4 kernels vs stock layers on bitsandbytes: tokens equal {same}, "
-          f"max |logit diff| {diff:.1e} over {steps} steps")
-    assert same and diff < 1e-3
+    for family, lengths, tokens in (("gemma3", (5, 23, 9), 6), ("gemma4", (5, 19), 4)):
+        same, diff, steps = check_forward(family, lengths, tokens)
+        print(f"fused {family} forward on NF4 kernels vs stock layers on bitsandbytes: tokens equal {same}, "
+              f"max |logit diff| {diff:.1e} over {steps} steps")
+        assert same and diff < 1e-3
     print("OK")
 
 

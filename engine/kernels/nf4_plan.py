@@ -1,0 +1,96 @@
+"""The launches of the NF4 kernel (kernels/nf4.py) per row count, timed on a model's own weights
+when a fused forward is built, and kept only where they agree with the library's product on the
+dequantized weight."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_for, nf4_matmul, triton, with_split
+
+# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps; 3 pipeline stages):
+# one row per program on FMAs (block_m 1), or tiles of 16 to 64 rows on tensor cores. Each is
+# tried with K split for about 2 and about 4 programs per SM (`with_split`; the split is a launch
+# argument, so both share one compiled kernel).
+NF4_CANDIDATES = {
+    1: ((1, 32, 512, 4), (1, 64, 256, 4), (1, 64, 512, 4), (1, 128, 256, 8), (1, 16, 1024, 4), (1, 32, 1024, 4),
+        (1, 64, 1024, 8), (1, 128, 512, 8)),
+    2: ((1, 32, 512, 4), (1, 64, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4)),
+    4: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
+    8: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
+    16: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8), (16, 64, 256, 8)),
+    32: ((32, 32, 256, 4), (32, 64, 128, 4), (32, 64, 256, 8), (32, 128, 128, 8)),
+    64: ((64, 32, 256, 4), (64, 64, 128, 8), (64, 64, 256, 8), (32, 64, 256, 4), (64, 128, 128, 8)),
+}
+
+TIMED_ELEMENTS = 1 << 22  # smaller weights take launch_for's launches (checked, not timed against others)
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A product within its dtype's rounding of the reference (relative norm of the difference)."""
+    tol = 1e-4 if got.dtype == torch.float32 else 2e-2
+    return bool(((got.float() - want.float()).norm() <= tol * want.float().norm()).item())
+
+
+@torch.no_grad()
+def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
+    """Per planned row count (NF4_CANDIDATES), the fastest `nf4_matmul` launch on these
+    same-shaped weights (a product with each in turn, as a forward runs its layers), timed from
+    a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Each launch is
+    first checked against the library's product with the dequantized first weight, and only
+    launches that agree are kept: those whose codes are looked up by warp shuffle, or, where
+    none of them agrees at a row count, those that load them. Above the largest planned row
+    count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it agrees and beats dequantizing
+    the weight for the library's product, else None (that product). Weights under
+    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone."""
+    if triton is None or not weights or weights[0].device.type != "cuda":
+        return {}
+    from engine.kernels.small_linear import graph_ms
+
+    w0 = weights[0]
+    n, k = w0.shape
+    sms = torch.cuda.get_device_properties(w0.device).multi_processor_count
+    dense = dequantize(w0)
+    plan: dict[int, dict | None] = {}
+
+    def good(x, cfg) -> bool:
+        try:
+            return agrees(nf4_matmul(x, w0, **cfg), F.linear(x, dense))
+        except Exception:  # a launch this GPU cannot compile (shared memory, registers)
+            return False
+
+    shfl = True
+    for m, cands in NF4_CANDIDATES.items():
+        if n * k < TIMED_ELEMENTS:  # a small weight: launch_for's launch, checked, is as good as any
+            cands = [(c["block_m"], c["block_n"], c["block_k"], c["warps"]) for c in [launch_for(m, n, k, sms)]]
+        x = torch.randn(m, k, device=w0.device).to(w0.dtype)
+        pdl = pdl_for is not None and pdl_for(m)
+        for lookup in dict.fromkeys((shfl, False)):
+            best, tried = None, []
+            for cand in cands:
+                for per_sm in (2, 4):
+                    cfg = with_split(cand, m, n, k, sms, 3, per_sm, lookup)
+                    if cfg in tried:
+                        continue
+                    tried.append(cfg)
+                    if not good(x, cfg):
+                        continue
+                    t = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
+                    if best is None or t < best:
+                        best, plan[m] = t, cfg
+            if best is not None:
+                break
+            shfl = False  # the shuffle lookup disagrees (or does not compile) here: loads from now on
+    rows = max(NF4_CANDIDATES)
+    while rows < MAX_KERNEL_ROWS:  # launch_for's tiles of 64 rows, or the weight dequantized for the library
+        rows *= 2
+        x = torch.randn(rows, k, device=w0.device).to(w0.dtype)
+        cfg = launch_for(rows, n, k, sms, shfl)
+        pdl = pdl_for is not None and pdl_for(rows)
+        plan[rows] = None
+        if good(x, cfg):
+            ours = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
+            lib = graph_ms(lambda: [F.linear(x, dequantize(w)) for w in weights], reps=3)
+            plan[rows] = cfg if ours < lib else None
+    return plan
