@@ -102,16 +102,20 @@ def test_fused_forward_takes_norms_a_stock_engine_substituted(family):
 
 
 def test_models_the_fused_forward_does_not_take_run_the_stock_layers():
-    """Other families, Gemma 4 with per-layer input embeddings and quantized linears keep the
-    stock forward, and still serve."""
+    """Other families, Gemma 4 with per-layer input embeddings and projections of another kind (a
+    bias here) keep the stock forward, and still serve; int8 linears are taken."""
     from engine.model.quant import quantize_int8
 
     assert "not a Gemma 3 decoder" in fused_forward.unsupported(tiny_gemma4(0))
     assert "per-layer input" in fused_gemma4.unsupported(tiny_gemma4(0, hidden_size_per_layer_input=8,
                                                                      vocab_size_per_layer_input=512))
     assert fused_gemma4.build(tiny_gemma4(0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512)) is None
+    int8 = tiny_random_model(0)
+    quantize_int8(int8, None)  # the int8 linears' torch path (no compiled kernel needed here)
+    assert fused_forward.unsupported(int8) is None
     model = tiny_random_model(0)
-    quantize_int8(model, None)  # the int8 linears' torch path (no compiled kernel needed here)
+    attn = model.get_decoder().layers[0].self_attn
+    attn.q_proj = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=True)
     assert "plain bias-free linears" in fused_forward.unsupported(model)
     engine = Engine(EngineConfig(**BASE, max_rows=2), LoadedModel(model, None, "tiny"))
     assert engine.runner.fused is None
