@@ -57,7 +57,7 @@ class _Body(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
     # vLLM's extras: a repetition penalty over prompt and output (1 = off), EOS and stop token
     # ids banned until min_tokens tokens are generated
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY, **_NUM)
+    repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, **_NUM)
     min_tokens: int | None = Field(None, ge=0, le=INT64["le"])
     # token id (a string, as JSON object keys are) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, **_NUM)]] | None = None
@@ -77,7 +77,7 @@ class _Body(BaseModel):
     @classmethod
     def _logit_bias(cls, v):
         for key in v or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), not {key!r}")
         return v
 

@@ -176,8 +176,9 @@ class Turn:
     called when the response ends, however it ends) aborts it if it has not finished."""
 
     def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
-                 num_prompt_tokens: int, owner: str | None) -> None:
+                 num_prompt_tokens: int, owner: str | None, fork: bool = False) -> None:
         self.state = state
+        self.fork = fork  # a choice after the first of n: its prompt was the first's prefill
         self.request_id = stream.request_id
         self.stream = stream
         self.detok = detok
@@ -200,8 +201,9 @@ class Turn:
         if n:
             if self._last_arrival is None:
                 m.ttft.observe(d.arrived - self.started)
-                m.prefill_tokens.inc(d.num_prompt_tokens)
-                m.cached_tokens.inc(d.num_cached_tokens)
+                if not self.fork:
+                    m.prefill_tokens.inc(d.num_prompt_tokens)
+                    m.cached_tokens.inc(d.num_cached_tokens)
             else:  # coalesced tokens: the mean gap between them
                 m.itl.observe((d.arrived - self._last_arrival) / n)
             self._last_arrival = d.arrived
@@ -269,7 +271,7 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
         raise
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
-                 else None, len(prompt_ids), owner) for stream in streams]
+                 else None, len(prompt_ids), owner, fork=i > 0) for i, stream in enumerate(streams)]
 
 
 async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None, list[TokenLogprobs]]:

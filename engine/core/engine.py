@@ -7,6 +7,10 @@ request's row is freed there, and a session's turn is either committed (history 
 back to the last completed turn. A request is planned (checked, and its feed worked out) by
 requests.py; sessions, their durability and where their rows are belong to sessions.py.
 
+A request with `n` > 1 takes a row per completion at admission; the step that finishes its
+prompt copies its row into the others (`_fork`, `RowPool.fork`), and each completion runs from
+there as a request of its own (`fork_id`): the prompt is prefilled once.
+
 A turn with `max_tokens` 0 is an append: its forward computes every token it feeds, nothing is
 sampled, and the history it commits ends with a computed token.
 

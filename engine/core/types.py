@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class FinishReason(str, enum.Enum):
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
 MAX_LOGPROBS = 20  # top logprobs a token may carry (OpenAI's limit)
-MAX_REPETITION_PENALTY = 100.0
+MAX_REPETITION_PENALTY = 100.0  # and 1 / it the least: logits divided by less overflow float32
 MAX_N = 16  # completions per request
 
 
@@ -64,7 +65,7 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token generated so far
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # HF/vLLM: > 1 discourages tokens of the prompt and output
+    repetition_penalty: float = 1.0  # HF/vLLM: > 1 discourages tokens of the prompt and output, < 1 favours them
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens are generated
     n: int = 1  # completions of one prompt: prefilled once, its row forked (stateless only)
@@ -90,9 +91,9 @@ class SamplingParams:
             if not _is_num(v) or not -2.0 <= v <= 2.0:
                 raise EngineError(f"{name} must be in [-2, 2]", param=name)
         r = self.repetition_penalty
-        if not _is_num(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
-            raise EngineError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
-                              param="repetition_penalty")
+        if not _is_num(r) or not 1 / MAX_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            raise EngineError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                              f"{MAX_REPETITION_PENALTY:g}]", param="repetition_penalty")
         for item in self.logit_bias:
             if len(item) != 2 or not _is_int(item[0]) or item[0] < 0 or not _is_num(item[1]) \
                     or not -100.0 <= item[1] <= 100.0:
@@ -106,12 +107,18 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise EngineError(f"n must be an integer in [1, {MAX_N}]", param="n")
 
-    @property
+    @cached_property
     def processed(self) -> bool:
         """The row's logits are changed before sampling (penalties, biases, min_tokens): it
         leaves the step's precomputed greedy tokens."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
+
+    @cached_property
+    def plain(self) -> bool:
+        """Greedy with nothing else asked: the row takes the step's precomputed greedy token
+        (asked once per row per step: cached)."""
+        return self.greedy and self.logprobs is None and not self.processed
 
     @property
     def greedy(self) -> bool:

@@ -104,7 +104,8 @@ def process(logits: torch.Tensor, states: list[RowLogitsState]) -> torch.Tensor:
 
 def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """[m, 1 + 2k] float32 on the device: per row of `logits` [m, V], the log-softmax at its
-    picked token (`tokens` [m]), then the k largest logprobs' token ids, then those logprobs."""
+    picked token (`tokens` [m]), then the k largest logprobs' token ids (as floats: exact below
+    2**24, far past any vocabulary), then those logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens[:, None])
     if k == 0:

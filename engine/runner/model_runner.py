@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.model.prepare import prepare
 from engine.runner.attention import ForwardChunk, StepAttention
 from engine.runner.decode_graph import GraphDecoder, GreedyFetch
-from engine.runner.sampler import asking_picks, plain
+from engine.runner.sampler import asking_picks
 from engine.kernels import launch
 from engine.kv.rows import RowPool
 from engine.core.types import SamplingParams, StepLogits
@@ -87,7 +87,7 @@ class ModelRunner:
         launched next: its greedy tokens [2, n] (token, finite), with the pick of each row that
         asks for more (sampling with its own generator, penalties, logprobs: `asking_picks`) in
         its lane, and those rows' logprobs."""
-        asking = [j for j, p in enumerate(params) if not plain(p)]
+        asking = [j for j, p in enumerate(params) if not p.plain]
         picks, logprobs = greedy, None
         if asking:
             states = states or [None] * len(params)

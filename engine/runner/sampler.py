@@ -95,11 +95,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return tokens[0]
 
 
-def plain(params: SamplingParams) -> bool:
-    """Greedy with nothing else asked: the row takes the step's precomputed greedy token."""
-    return params.greedy and params.logprobs is None and not params.processed
-
-
 class Picks(NamedTuple):
     """Tokens picked on the device for rows that ask for more than a plain greedy token."""
 
@@ -146,8 +141,8 @@ def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[
     (sampling, penalties, logprobs: `asking_picks`) another. Returns ({j: (token, finite)},
     {j: error}, {j: TokenLogprobs}): a failure there fails those rows only."""
     rows = [j for j in range(len(params)) if j not in skip]
-    plain_rows = [j for j in rows if plain(params[j])]
-    asking = [j for j in rows if not plain(params[j])]
+    plain_rows = [j for j in rows if params[j].plain]
+    asking = [j for j in rows if not params[j].plain]
     picked: dict[int, tuple[int, bool]] = {}
     failed: dict[int, str] = {}
     logprobs: dict[int, TokenLogprobs] = {}

@@ -49,6 +49,8 @@ MATRIX = [
     ("frequency_penalty below -2", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "invalid_request"),
     ("repetition_penalty zero", "POST", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "invalid_request"),
     ("logit_bias key not an id", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 5}}, 400, "invalid_request"),
+    ("logit_bias key a superscript digit", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "invalid_request"),
+    ("logit_bias id past int64", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"9" * 30: 5}}, 400, "invalid_request"),
     ("logit_bias id out of vocab", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 5}}, 400, "invalid_request"),
     ("logit_bias over 100", "POST", "/v1/chat/completions", chat(logit_bias={"5": 101}), 400, "invalid_request"),
     ("min_tokens over max_tokens", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "invalid_request"),

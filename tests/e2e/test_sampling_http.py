@@ -63,11 +63,12 @@ def test_chat_logprobs_streamed_equal_not_streamed(client):
 def test_n_choices_equal_single_requests_with_their_seeds_and_share_one_prefill(server, client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=8,
               temperature=1.0, extra_body={"ignore_eos": True})
-    before = server.stats().counters["prefill_tokens"]
+    before = server.stats().counters["prefill_tokens"], server.metric("s5_prefill_tokens_total")
     many = client.chat.completions.create(n=3, seed=11, **kw)
-    prefilled = server.stats().counters["prefill_tokens"] - before
+    prefilled = server.stats().counters["prefill_tokens"] - before[0]
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert prefilled == many.usage.prompt_tokens  # the prompt once, not three times
+    assert server.metric("s5_prefill_tokens_total") - before[1] == prefilled
     assert many.usage.completion_tokens == 24
     singles = [client.chat.completions.create(seed=11 + i, **kw).choices[0].message.content for i in range(3)]
     assert [c.message.content for c in many.choices] == singles

@@ -2,6 +2,8 @@
 request with its seed gives; rows come back however the request ends; `RowPool.fork` copies a
 row exactly and refuses (changing nothing) what it cannot do."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -46,10 +48,10 @@ def test_each_completion_equals_a_single_request_with_its_seed(overlap, policy):
                             frequency_penalty=0.5)
     engine = fresh(overlap, policy)
     other = Request("other", [7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
-    toks, _, lps = run(engine, [Request("p", PROMPT, SamplingParams(**{**params.__dict__, "n": 3})), other])
+    toks, _, lps = run(engine, [Request("p", PROMPT, replace(params, n=3)), other])
     assert engine.stats["prefill_tokens"] == len(PROMPT) + 3
     singles = fresh(overlap, policy)
-    want, _, want_lps = run(singles, [Request(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 40 + i}))
+    want, _, want_lps = run(singles, [Request(f"s{i}", PROMPT, replace(params, seed=40 + i))
                                       for i in range(3)])
     for i in range(3):
         assert toks[fork_id("p", i)] == want[f"s{i}"], i
