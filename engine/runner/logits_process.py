@@ -88,7 +88,7 @@ def process(logits: torch.Tensor, states: list[RowLogitsState]) -> torch.Tensor:
     if banning:
         rows = torch.cat([torch.full_like(states[i].banned, i) for i in banning])
         cols = torch.cat([states[i].banned for i in banning])
-        x.index_put_((rows, cols), torch.tensor(float("-inf"), device=dev))
+        x.index_put_((rows, cols), torch.full((), float("-inf"), device=dev))
     if any(s.seen is not None for s in states):
         seen = torch.stack([s.seen if s.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=dev)
                             for s in states])
