@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from engine import ipc
 from engine.core.config import EngineConfig
-from engine.core.types import EngineError, FinishReason, Request
+from engine.core.types import EngineError, FinishReason, Request, TokenLogprobs, fork_id
 
 log = logging.getLogger("s5serve.client")
 
@@ -51,11 +51,13 @@ class Delta:
     """What a stream hands its consumer: every token that arrived since the last delta, and the
     request's counts as of the newest of them."""
 
-    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
                  "num_output_tokens", "error", "arrived")
 
-    def __init__(self, token_ids: list[int], last: ipc.Output, arrived: float) -> None:
+    def __init__(self, token_ids: list[int], last: ipc.Output, arrived: float,
+                 logprobs: list[TokenLogprobs] | None = None) -> None:
         self.token_ids = token_ids
+        self.logprobs = logprobs  # per token of token_ids, where the request asked for logprobs
         self.finished = last.finished
         self.finish_reason = last.finish_reason
         self.num_prompt_tokens = last.num_prompt_tokens  # tokens prefilled for this turn
@@ -73,6 +75,7 @@ class RequestStream:
         self.client = client
         self.request_id = request_id
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] | None = None
         self._last: ipc.Output | None = None
         self._arrived = 0.0
         self._ready = asyncio.Event()
@@ -81,6 +84,8 @@ class RequestStream:
 
     def _push(self, out: ipc.Output, now: float) -> None:
         self._ids += out.new_token_ids
+        if out.logprobs is not None:
+            self._logprobs = (self._logprobs or []) + out.logprobs
         self._last, self._arrived = out, now
         if out.finished:
             self._done = True
@@ -103,8 +108,8 @@ class RequestStream:
         except BaseException:
             self.abort()
             raise
-        delta = Delta(self._ids, self._last, self._arrived)
-        self._ids = []
+        delta = Delta(self._ids, self._last, self._arrived, self._logprobs)
+        self._ids, self._logprobs = [], None
         if self._done:
             self._delivered = True
             self.client._streams.pop(self.request_id, None)
@@ -291,9 +296,16 @@ class EngineClient:
 
     async def generate(self, request: Request) -> RequestStream:
         """Submit a request; its stream. Raises EngineError (nothing changed) if it is refused."""
+        return (await self.generate_all(request))[0]
+
+    async def generate_all(self, request: Request) -> list[RequestStream]:
+        """Submit a request; the streams of its `n` completions (index i under `fork_id(id, i)`).
+        Raises EngineError (nothing changed) if it is refused."""
         call_id, fut = self._future()
-        stream = RequestStream(self, request.request_id)
-        self._streams[request.request_id] = stream
+        ids = [fork_id(request.request_id, i) for i in range(max(1, request.params.n))]
+        streams = [RequestStream(self, rid) for rid in ids]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
         try:
             try:
                 self._send(ipc.Submit(call_id, request))
@@ -302,11 +314,12 @@ class EngineClient:
                 raise EngineError(f"the request holds a value out of range: {exc}") from exc
             await fut
         except BaseException:
-            self._streams.pop(request.request_id, None)
+            for rid in ids:
+                self._streams.pop(rid, None)
             if not fut.done():  # cancelled while the engine decides: abort whatever it decided
                 self.abort(request.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """End a request at the engine's next step boundary (no-op if it already ended)."""

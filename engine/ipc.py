@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from engine.core.types import FinishReason, Request
+from engine.core.types import FinishReason, Request, TokenLogprobs
 
 # Engine verbs a `Call` may name (methods of engine.Engine, plus "stats" and "check_invariants",
 # and RESPONSE_CALLS, methods of the engine's ResponseStore).
@@ -62,6 +62,7 @@ class Output(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int  # history tokens reused from the row
     num_output_tokens: int  # tokens generated so far
     error: str | None  # set with FinishReason.ERROR
+    logprobs: list[TokenLogprobs] | None = None  # per new token, where the request wants them
 
 
 class EngineStats(msgspec.Struct, array_like=True):

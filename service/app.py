@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from engine.client import EngineClient, EngineDead
 from engine.model.loader import load_tokenizer
+from service.logprobs import TokenText
 from service import chat, errors
 from service.metrics import Metrics
 from service.routes import ops, openai, responses, sessions
@@ -34,6 +35,7 @@ class AppState:
         self.model_name = settings.served_model_name or ""
         self.tokenizer = None
         self.end_of_turn_ids: tuple[int, ...] = ()  # where chat replies stop (chat.end_of_turn_ids)
+        self.token_texts = TokenText(None)  # token id -> text and bytes, for logprobs
         self.max_model_len = 0
         self.metrics = Metrics()
         self.active = InFlight()  # requests in flight and their tenants
@@ -89,6 +91,7 @@ async def _start(state: AppState) -> None:
                                                client.start())
         state.tokenizer = tokenizer
         state.end_of_turn_ids = chat.end_of_turn_ids(tokenizer)
+        state.token_texts = TokenText(tokenizer)
         state.max_model_len = info.max_model_len
         state.model_name = state.model_name or info.model_name
         client.on_step = state.metrics.on_step

@@ -7,6 +7,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from engine.core.types import MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY
+from service.errors import APIError
+
 # Integers the engine takes travel as 64-bit values: larger ones are invalid input (400), not a
 # failure to encode. Token ids keep the engine's own range check (below 0 or past the vocabulary).
 INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
@@ -24,16 +27,9 @@ UNSUPPORTED: dict[str, Any] = {
     "tool_choice": lambda v: v in ("none", "auto"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in ("none", "auto"),
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "prompt_logprobs": lambda v: not v,
-    "presence_penalty": lambda v: not v,
-    "frequency_penalty": lambda v: not v,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: not v,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: not v,
-    "min_tokens": lambda v: not v,
     "guided_json": lambda v: not v,
     "guided_regex": lambda v: not v,
     "guided_choice": lambda v: not v,
@@ -56,7 +52,15 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
+    # vLLM's extras: a repetition penalty over prompt and output (1 = off), EOS and stop token
+    # ids banned until min_tokens tokens are generated
+    repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, **_NUM)
+    min_tokens: int | None = Field(None, ge=0, le=INT64["le"])
+    # token id (a string, as JSON object keys are) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, **_NUM)]] | None = None
     session_id: str | None = None
     # each choice (streamed chunk or whole reply) also carries the ids of its tokens (`token_ids`)
     return_token_ids: bool = False
@@ -68,6 +72,14 @@ class _Body(BaseModel):
         if len(items) > 8 or any(not s for s in items):
             raise ValueError("stop must be up to 8 non-empty strings")
         return items
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), not {key!r}")
+        return v
 
     def unsupported(self) -> str | None:
         """The first parameter this request asks for that the server does not implement, if any."""
@@ -103,11 +115,27 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Body):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = False  # each token's logprob in choice.logprobs.content
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and its most likely alternatives
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or how many top logprobs each token carries."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "invalid_request", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_Body):
     prompt: str | list[TokenId] | list[str]  # token ids must be integers (not booleans)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token (0: the token's own)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class SessionGenerateRequest(_Body):
@@ -118,6 +146,11 @@ class SessionGenerateRequest(_Body):
     # 0: append the input to the session without generating (the reply reports what it holds)
     max_tokens: int | None = Field(None, ge=0, le=INT64["le"])
     max_completion_tokens: int | None = Field(None, ge=0, le=INT64["le"])
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # as /v1/completions: top logprobs per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---- documented responses (the OpenAPI schema says what every route can answer) ----------------

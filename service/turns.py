@@ -21,7 +21,7 @@ from fastapi import Request as HTTPRequest
 from engine import FinishReason, Request, SamplingParams
 from engine.client import Delta, EngineDead, RequestStream
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.types import EngineError
+from engine.core.types import EngineError, TokenLogprobs
 from service import chat
 from service.errors import APIError, from_engine, valid_text
 
@@ -117,6 +117,13 @@ def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParam
         stop=tuple(valid_text(s, "stop") for s in (body.stop or ())),
         stop_token_ids=stop_token_ids,
         ignore_eos=body.ignore_eos,
+        logprobs=body.num_logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=tuple((int(t), float(b)) for t, b in (body.logit_bias or {}).items()),
+        min_tokens=body.min_tokens or 0,
+        n=body.n,
     )
 
 
@@ -161,6 +168,7 @@ class Chunk:
     num_cached_tokens: int  # history tokens reused from the session's row
     num_output_tokens: int
     error: str | None
+    logprobs: list[TokenLogprobs] | None = None  # per token of token_ids, where asked for
 
 
 class Turn:
@@ -168,8 +176,9 @@ class Turn:
     called when the response ends, however it ends) aborts it if it has not finished."""
 
     def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
-                 num_prompt_tokens: int, owner: str | None) -> None:
+                 num_prompt_tokens: int, owner: str | None, fork: bool = False) -> None:
         self.state = state
+        self.fork = fork  # a choice after the first of n: its prompt was the first's prefill
         self.request_id = stream.request_id
         self.stream = stream
         self.detok = detok
@@ -192,8 +201,9 @@ class Turn:
         if n:
             if self._last_arrival is None:
                 m.ttft.observe(d.arrived - self.started)
-                m.prefill_tokens.inc(d.num_prompt_tokens)
-                m.cached_tokens.inc(d.num_cached_tokens)
+                if not self.fork:
+                    m.prefill_tokens.inc(d.num_prompt_tokens)
+                    m.cached_tokens.inc(d.num_cached_tokens)
             else:  # coalesced tokens: the mean gap between them
                 m.itl.observe((d.arrived - self._last_arrival) / n)
             self._last_arrival = d.arrived
@@ -212,7 +222,7 @@ class Turn:
             m.e2e.observe(time.monotonic() - self.started)
             self.state.active.discard(self.request_id)
         return Chunk(text, d.token_ids, d.finished, d.finish_reason, d.num_prompt_tokens, d.num_cached_tokens,
-                     d.num_output_tokens, d.error)
+                     d.num_output_tokens, d.error, d.logprobs)
 
     async def aclose(self) -> None:
         """`close` as a coroutine: a response's background task then runs it on the event loop
@@ -232,6 +242,15 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
     """Submit a turn. With `match_prefix`, `prompt_ids` is the whole conversation: the stored
     history must be its prefix (only the rest is prefilled), else the session is re-prefilled.
     `expect_history_len`: the history length `prompt_ids` was prepared against (see Request)."""
+    if params.n != 1:
+        raise APIError(400, "n > 1 is not available here: a session has one row", "invalid_request", "n")
+    return (await start_turns(state, prompt_ids, params, session_id, owner, match_prefix, expect_history_len))[0]
+
+
+async def start_turns(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
+                      owner: str | None, match_prefix: bool, expect_history_len: int | None = None) -> list[Turn]:
+    """`start_turn` for `params.n` completions of one prompt: one turn per completion (the
+    engine prefills the prompt once and forks its row)."""
     require_ready(state)
     m = state.metrics
     engine = state.engine
@@ -246,24 +265,26 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)
     try:
-        stream = await engine_call(engine.generate(request))
+        streams = await engine_call(engine.generate_all(request))
     except APIError as err:
         m.rejections.labels(err.code).inc()
         raise
     m.prompt_tokens.inc(len(prompt_ids))
-    detok = IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None else None
-    return Turn(state, stream, detok, len(prompt_ids), owner)
+    return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
+                 else None, len(prompt_ids), owner, fork=i > 0) for i, stream in enumerate(streams)]
 
 
-async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None]:
-    """Non-streaming: gather the whole reply; abort if the client disconnects meanwhile."""
-    text, ids, last = [], [], None
+async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None, list[TokenLogprobs]]:
+    """Non-streaming: gather the whole reply (text, token ids, the last chunk, the tokens'
+    logprobs where asked for); abort if the client disconnects meanwhile."""
+    text, ids, last, logprobs = [], [], None, []
 
     async def consume():
         nonlocal last
         async for chunk in turn.chunks():
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs or ())
             last = chunk
 
     task = asyncio.ensure_future(consume())
@@ -276,10 +297,10 @@ async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chu
                     await task
                 except asyncio.CancelledError:
                     pass
-                return "".join(text), ids, None
+                return "".join(text), ids, None, logprobs
         await task
     finally:
         turn.close()
     if last is not None and last.finish_reason == FinishReason.ERROR:
         raise APIError(500, last.error or "generation failed", "generation_failed")
-    return "".join(text), ids, last
+    return "".join(text), ids, last, logprobs

@@ -7,6 +7,10 @@ request's row is freed there, and a session's turn is either committed (history 
 back to the last completed turn. A request is planned (checked, and its feed worked out) by
 requests.py; sessions, their durability and where their rows are belong to sessions.py.
 
+A request with `n` > 1 takes a row per completion at admission; the step that finishes its
+prompt copies its row into the others (`_fork`, `RowPool.fork`), and each completion runs from
+there as a request of its own (`fork_id`): the prompt is prefilled once.
+
 A turn with `max_tokens` 0 is an append: its forward computes every token it feeds, nothing is
 sampled, and the history it commits ends with a computed token.
 
@@ -34,7 +38,7 @@ from engine.core.responses import ResponseStore
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
-from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits
+from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs
 from engine.kv.policy import layer_layouts
 from engine.kv.rows import RowPool
 from engine.model.hf_adapter import geometry
@@ -97,7 +101,8 @@ class Engine:
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         # stored responses of /v1/responses, in the same store (its verbs: ipc.CALLS)
         self.responses = ResponseStore(db.responses() if db is not None else None, self.stats)
-        self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed)
+        self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed,
+                                      self.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
@@ -210,11 +215,14 @@ class Engine:
         live = self._live[request_id]
         session = self.sessions[live.request.session_id] if live.request.session_id is not None else None
         resident = session is not None and session.row is not None
-        if not resident and not self.pool.can_allocate_row():
+        n = live.request.params.n  # n > 1: a row for each completion, forked after the prefill
+        while not resident and self.pool.num_free_rows < n:
             running = {rid for rid, lv in self._live.items() if lv.row is not None}
             if not self.sessions.make_room(running):
                 return False
         if not self.pool.can_reserve(session.row if resident else None, live.max_len):
+            return False
+        if n > 1 and n * self.pool.blocks_for(live.max_len) > self.pool.num_free_blocks:
             return False
         if session is None:
             row, live.row_is_new = self.pool.allocate_row(), True
@@ -224,6 +232,9 @@ class Engine:
             if not live.row_is_new:
                 live.snapshot = self.pool.snapshot(row)
         self.pool.reserve(row, live.max_len)
+        for _ in range(n - 1):
+            live.fork_rows.append(self.pool.allocate_row())
+            self.pool.reserve(live.fork_rows[-1], live.max_len)
         live.row = row
         live.forward_start = self.pool.kv_len(row)
         return True
@@ -274,6 +285,8 @@ class Engine:
         request: it ends with an error, the rest go on."""
         logits, owners, greedy = out
         lives = [batch.lives[n] for n in owners]  # per logits row
+        if any(lv.fork_rows for lv in lives):
+            logits, greedy = self._fork(lives, logits), None
         failed: dict[int, str] = {}
         if self.logits_hook is not None:
             for j, live in enumerate(lives):
@@ -281,18 +294,37 @@ class Engine:
                     self.logits_hook(live.request_id, self.pool.kv_len(live.row) - 1, logits[j])
                 except Exception as exc:
                     failed[j] = f"logits hook failed: {exc}"
-        picked, sampling_failed = pick_tokens(logits, greedy, [lv.request.params for lv in lives],
-                                              [lv.generator for lv in lives], skip=failed)
+        picked, sampling_failed, logprobs = pick_tokens(
+            logits, greedy, [lv.request.params for lv in lives], [lv.generator for lv in lives],
+            [lv.logits_state for lv in lives], skip=failed)
         failed.update(sampling_failed)
         outputs = [self._finish(live, FinishReason.ERROR, error=failed[j]) if j in failed
-                   else self._apply_safely(live, picked[j], self.pool.kv_len(live.row))
+                   else self._apply_safely(live, picked[j], self.pool.kv_len(live.row), logprobs.get(j))
                    for j, live in enumerate(lives)]
         outputs += [self._finish(live, FinishReason.LENGTH) for live in batch.appended]
         return outputs
 
-    def _apply_safely(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int) -> RequestOutput:
+    def _fork(self, lives: list[LiveRequest], logits: torch.Tensor) -> torch.Tensor:
+        """Requests with n > 1 whose prompt this step finished: each row is copied into the rows
+        held for the other completions, which join `lives` (and the step's logits, as copies of
+        their parent's row) and run as requests of their own from here on."""
+        parents = [(j, lv) for j, lv in enumerate(lives) if lv.fork_rows]
+        copies = []
+        for j, parent in parents:
+            for index, row in enumerate(parent.fork_rows, start=1):
+                self.pool.fork(parent.row, row)
+                child = self.planner.fork(parent, index, row)
+                self._live[child.request_id] = child
+                self.scheduler.add_decoding(child.sched)
+                lives.append(child)
+                copies.append(j)
+            parent.fork_rows = []
+        return torch.cat([logits, logits[copies]])
+
+    def _apply_safely(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int,
+                      logprobs: TokenLogprobs | None = None) -> RequestOutput:
         try:
-            return self._apply(live, picked, kv_len)
+            return self._apply(live, picked, kv_len, logprobs)
         except Exception as exc:  # detokenizer or bookkeeping: this request only
             if live.request_id not in self._live:
                 raise  # it failed while ending: the engine's own state is in doubt
@@ -318,7 +350,7 @@ class Engine:
         """A launched static step, pending: its tokens picked on the device and on their way to
         the host; each row is marked as fed one token ahead."""
         fetch = self.runner.fetch_picks(logits, greedy, [lv.request.params for lv in lives],
-                                        [lv.generator for lv in lives])
+                                        [lv.generator for lv in lives], [lv.logits_state for lv in lives])
         positions = [i.chunk.start for i in inputs]
         for lane, live in enumerate(lives):
             live.ahead = (lane, positions[lane])
@@ -373,13 +405,16 @@ class Engine:
         lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request_id) is lv]
         try:
             tokens, finite = prev.fetch.result()
+            logprobs = prev.fetch.lane_logprobs()
         except Exception as exc:
             return [self._finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lives]
-        return [self._apply_safely(lv, (tokens[lane], finite[lane]), prev.positions[lane] + 1)
+        return [self._apply_safely(lv, (tokens[lane], finite[lane]), prev.positions[lane] + 1, logprobs.get(lane))
                 for lane, lv in lives]
 
-    def _apply(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int) -> RequestOutput:
-        """The token sampled after the step in which the row reached `kv_len` positions."""
+    def _apply(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int,
+               logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """The token sampled after the step in which the row reached `kv_len` positions (and its
+        logprobs, where the request wants them)."""
         params = live.request.params
         token, finite = picked
         if not finite:
@@ -392,18 +427,20 @@ class Engine:
             reason = FinishReason.STOP
         if reason is None and (len(live.output_ids) >= params.max_tokens or kv_len + 1 >= live.max_len):
             reason = FinishReason.LENGTH
+        lps = [logprobs] if logprobs is not None else None
         if reason is not None:
-            return self._finish(live, reason, last_token=token)
-        return self._output(live, [token], None)
+            return self._finish(live, reason, last_token=token, logprobs=lps)
+        return self._output(live, [token], None, None, lps)
 
     def _output(self, live: LiveRequest, new_ids: list[int], reason: FinishReason | None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         # in field order, positionally: one of these is built per row per step, and keywords
         # cost more than the rest of the call
         return RequestOutput(live.request_id, new_ids, reason is not None, reason, len(live.feed),
-                             live.num_cached, len(live.output_ids), error)
+                             live.num_cached, len(live.output_ids), error, logprobs)
 
-    def _finish(self, live: LiveRequest, reason: FinishReason, last_token=None, error=None) -> RequestOutput:
+    def _finish(self, live: LiveRequest, reason: FinishReason, last_token=None, error=None,
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         """The one place a request's lifetime ends."""
         rid = live.request_id
         if live.ahead is not None:  # a step launched ahead fed the row one token past its end
@@ -413,6 +450,9 @@ class Engine:
         self.scheduler.remove(rid)
         del self._live[rid]
         session = self.sessions.find(live.request.session_id) if live.request.session_id else None
+        for row in live.fork_rows:  # n > 1, ended before its prompt was prefilled
+            self.pool.free_row(row)
+        live.fork_rows = []
         if session is None:
             if live.row is not None:
                 self.pool.free_row(live.row)
@@ -433,7 +473,7 @@ class Engine:
             session.last_used = time.monotonic()
             self.sessions.end_turn(session)
         new_ids = [last_token] if last_token is not None else []
-        return self._output(live, new_ids, reason, error)
+        return self._output(live, new_ids, reason, error, logprobs)
 
     def check_invariants(self) -> None:
         """The books balance: the pool's own, rows held by sessions and requests are exactly the
@@ -441,6 +481,7 @@ class Engine:
         self.pool.check_invariants()
         rows = self.sessions.rows()
         rows += [lv.row for lv in self._live.values() if lv.row is not None and lv.request.session_id is None]
+        rows += [row for lv in self._live.values() for row in lv.fork_rows]
         assert sorted(rows) == self.pool.used_rows(), "engine and pool disagree on used rows"
         sessions = list(self.sessions.values())
         assert all(s.busy is None or s.busy in self._live for s in sessions), "a busy session's turn is gone"

@@ -17,8 +17,9 @@ import torch
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.scheduler import SchedRequest
 from engine.core.sessions import Session
-from engine.core.types import EngineError, Request
+from engine.core.types import EngineError, Request, fork_id
 from engine.kv.rows import RowPool, RowSnapshot
+from engine.runner.logits_process import RowLogitsState
 from engine.runner.sampler import make_generator
 
 
@@ -41,6 +42,11 @@ class LiveRequest:
     output_ids: list[int] = field(default_factory=list)
     # (lane, position) in the newest launched step, while its token is not applied yet
     ahead: tuple[int, int] | None = None
+    # penalties, biases, min_tokens: what the sampler keeps for the row on the device
+    logits_state: RowLogitsState | None = None
+    # n > 1: the empty rows (allocated and reserved at admission) its row is forked into once
+    # the prompt is prefilled; completion i then runs as a request of its own, `fork_id(id, i)`
+    fork_rows: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -50,8 +56,10 @@ class LiveRequest:
 class RequestPlanner:
     """Checks a request against the model and the pool, and plans it."""
 
-    def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int) -> None:
+    def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int,
+                 eos_token_ids: set[int] = frozenset()) -> None:
         self.pool = pool
+        self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -62,7 +70,7 @@ class RequestPlanner:
         (and changes nothing) when the request is invalid."""
         params = request.params
         params.validate()
-        ids = request.prompt_token_ids
+        ids = prompt = request.prompt_token_ids
         if not ids:
             raise EngineError("prompt is empty", param="prompt")
         if request.append_only and session is None:
@@ -71,6 +79,10 @@ class RequestPlanner:
         vocab = self.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise EngineError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if params.n > 1 and session is not None:
+            raise EngineError("n > 1 needs a request of its own: a session has one row", param="n")
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer", param="stop")
         if session is not None and session.busy is not None:
@@ -86,6 +98,10 @@ class RequestPlanner:
             else:  # it does not continue the stored history: the session starts over with it
                 history, diverged = [], True
         max_len = self._check_length(len(history), len(ids), params.max_tokens)
+        if params.n > self.pool.num_rows or params.n * self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
+            raise EngineError(f"n = {params.n} completions of {max_len} tokens each do not fit the KV cache "
+                              f"({self.pool.num_rows} rows); lower n or max_tokens", code="kv_capacity_exceeded",
+                              param="n")
         kv_len, forward_ends = 0, []
         if diverged or session is None:
             pass
@@ -111,6 +127,32 @@ class RequestPlanner:
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
             forward_ends=forward_ends,
             diverged=diverged,
+            # repetition_penalty counts the prompt as sent (a session turn: the turn's input)
+            logits_state=RowLogitsState(params, prompt, vocab, self.pool.device, self.eos_token_ids)
+            if params.processed else None,
+        )
+
+    def fork(self, parent: LiveRequest, index: int, row: int) -> LiveRequest:
+        """Completion `index` of `parent` (n > 1), on `row`, a copy of the parent's row: it has
+        the parent's prompt and state, its own generator (the parent's seed + index, when the
+        request has a seed) and its own penalty state, and decodes from the next step."""
+        params = parent.request.params
+        seed = params.seed + index if params.seed is not None else next(self._seeds)
+        request = replace(parent.request, request_id=fork_id(parent.request_id, index),
+                          params=replace(params, n=1, seed=seed))
+        return LiveRequest(
+            request=request,
+            sched=SchedRequest(request.request_id, len(parent.feed)),
+            feed=parent.feed,
+            num_cached=parent.num_cached,
+            history_len=parent.history_len,
+            max_len=parent.max_len,
+            generator=make_generator(seed),
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            row=row,
+            forward_start=parent.forward_start,
+            row_is_new=True,
+            logits_state=parent.logits_state.fork() if parent.logits_state is not None else None,
         )
 
     def _check_length(self, num_history: int, num_input: int, max_tokens: int) -> int:

@@ -75,6 +75,11 @@ class Scheduler:
     def add(self, req: SchedRequest) -> None:
         self.waiting.append(req)
 
+    def add_decoding(self, req: SchedRequest) -> None:
+        """A request whose prefill another one did (a fork of its row): it decodes from the next step."""
+        req.num_scheduled, req.decoding = req.num_prompt_tokens, True
+        self.running.append(req)
+
     def remove(self, request_id: str) -> None:
         self.running = [r for r in self.running if r.request_id != request_id]
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -29,6 +30,22 @@ class FinishReason(str, enum.Enum):
 
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
+MAX_LOGPROBS = 20  # top logprobs a token may carry (OpenAI's limit)
+MAX_REPETITION_PENALTY = 100.0  # and 1 / it the least: logits divided by less overflow float32
+MAX_N = 16  # completions per request
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fork_id(request_id: str, index: int) -> str:
+    """The request id of completion `index` of a request with n > 1 (index 0 keeps the id)."""
+    return request_id if index == 0 else f"{request_id}/{index}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; never emitted
     stop_token_ids: tuple[int, ...] = ()  # extra EOS-like ids
     ignore_eos: bool = False
+    # None: no logprobs; k in 0..MAX_LOGPROBS: each token's logprob and the k most likely
+    # tokens' (from the processed logits: see logits_process.py)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from each token generated so far
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: > 1 discourages tokens of the prompt and output, < 1 favours them
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens are generated
+    n: int = 1  # completions of one prompt: prefilled once, its row forked (stateless only)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
@@ -57,6 +83,42 @@ class SamplingParams:
             raise EngineError("top_p must be in (0, 1]", param="top_p")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise EngineError("stop strings must be non-empty strings", param="stop")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise EngineError(f"{name} must be in [-2, 2]", param=name)
+        r = self.repetition_penalty
+        if not _is_num(r) or not 1 / MAX_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            raise EngineError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                              f"{MAX_REPETITION_PENALTY:g}]", param="repetition_penalty")
+        for item in self.logit_bias:
+            if len(item) != 2 or not _is_int(item[0]) or item[0] < 0 or not _is_num(item[1]) \
+                    or not -100.0 <= item[1] <= 100.0:
+                raise EngineError("logit_bias maps token ids to biases in [-100, 100]", param="logit_bias")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise EngineError("logit_bias names a token twice", param="logit_bias")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise EngineError("min_tokens must be an integer >= 0", param="min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise EngineError("min_tokens must not exceed max_tokens", param="min_tokens")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise EngineError(f"n must be an integer in [1, {MAX_N}]", param="n")
+
+    @cached_property
+    def processed(self) -> bool:
+        """The row's logits are changed before sampling (penalties, biases, min_tokens): it
+        leaves the step's precomputed greedy tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @cached_property
+    def plain(self) -> bool:
+        """Greedy with nothing else asked: the row takes the step's precomputed greedy token
+        (asked once per row per step: cached)."""
+        return self.greedy and self.logprobs is None and not self.processed
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +148,10 @@ class Request:
         return self.params.max_tokens == 0
 
 
+# a token's logprob, and the ids and logprobs of the most likely tokens (most likely first)
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
 class RequestOutput(NamedTuple):
     """What one step produced for one request (a tuple: one is made per row per step, and the
     engine process sends them as they are)."""
@@ -98,6 +164,8 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int = 0  # history tokens reused from the row
     num_output_tokens: int = 0  # tokens generated so far
     error: str | None = None  # set with FinishReason.ERROR
+    # with SamplingParams.logprobs: per new token, (its logprob, top ids, their logprobs)
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class StepLogits(NamedTuple):

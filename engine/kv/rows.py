@@ -16,7 +16,8 @@ sink + window positions, so memory is constant in context length). `ring_pos[row
 position a ring slot holds (-1: empty). A forward split over several steps stages its own tokens
 for staged ring layers until its last chunk (see policy.py); staging is transient and counted.
 
-Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`),
+Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`,
+`can_fork` / `fork`),
 and `check_invariants()` verifies: free + used == total for rows and blocks, no block owned twice,
 bytes accounted == bytes allocated, and every ring slot holds the position that maps to it.
 """
@@ -213,6 +214,34 @@ class RowPool:
         state.staging = None
         self.ring_pos[row] = -1
         self.trim(row)
+
+    # ---- forks (n completions of one prompt) -----------------------------------------------------
+    def can_fork(self, src: int, dst: int) -> bool:
+        """Whether `fork(src, dst)` can copy `src` into `dst`: `src` is between forwards, `dst` is
+        another row, empty, holding blocks for `src`'s positions."""
+        a, b = self._rows.get(src), self._rows.get(dst)
+        return (a is not None and b is not None and src != dst and a.staging is None and b.staging is None
+                and b.kv_len == 0 and len(b.blocks) >= self.blocks_for(a.kv_len))
+
+    def fork(self, src: int, dst: int) -> None:
+        """Copy everything `src` holds into the fresh row `dst` (allocated and reserved by the
+        caller, empty): its ring slots and their positions, and its paged positions' K/V into
+        `dst`'s own blocks. The rows share nothing afterwards."""
+        if not self.can_fork(src, dst):
+            raise RuntimeError(f"row {src} cannot be forked into row {dst}")
+        kv_len = self._rows[src].kv_len
+        a, b = self._ring_range(src), self._ring_range(dst)
+        for i in self.ring_layers:
+            self.k[i][b] = self.k[i][a]
+            self.v[i][b] = self.v[i][a]
+        if self.paged_layers and kv_len:
+            from_slots = torch.from_numpy(self.paged_slots(src, 0, kv_len)).to(self.device)
+            to_slots = torch.from_numpy(self.paged_slots(dst, 0, kv_len)).to(self.device)
+            for i in self.paged_layers:
+                self.k[i].index_copy_(0, to_slots, self.k[i].index_select(0, from_slots))
+                self.v[i].index_copy_(0, to_slots, self.v[i].index_select(0, from_slots))
+        self.ring_pos[dst] = self.ring_pos[src]
+        self._rows[dst].kv_len = kv_len
 
     # ---- snapshots (rollback of a cancelled turn) ------------------------------------------------
     def snapshot(self, row: int) -> RowSnapshot:

@@ -32,6 +32,7 @@ import torch
 from engine.kernels.decode_attention import decode_attention
 from engine.kv.policy import ring_slot
 from engine.kv.rows import RowPool
+from engine.runner.logits_process import logprobs_unpack
 from engine.runner.sampler import greedy_tokens
 from engine.core.types import StepLogits
 
@@ -121,13 +122,22 @@ class GreedyFetch:
     """A static step's greedy tokens on their way to the host: the copy is queued right behind the
     step, and `result()` waits for that copy alone (not for steps queued after it)."""
 
-    def __init__(self, host: np.ndarray, done: torch.cuda.Event | None) -> None:
+    def __init__(self, host: np.ndarray, done: torch.cuda.Event | None,
+                 logprobs: tuple[torch.Tensor, list[int], list[int]] | None = None) -> None:
         self.host, self.done = host, done  # host: [2, n], the copy's destination
+        self.logprobs = logprobs  # (a `logprobs_pack` copied behind the tokens, its lanes, their k)
 
     def result(self) -> tuple[list[int], list[bool]]:
         if self.done is not None:
             self.done.synchronize()
         return self.host[0].tolist(), [bool(x) for x in self.host[1]]
+
+    def lane_logprobs(self) -> dict:
+        """{lane: TokenLogprobs} of the lanes that want logprobs (after `result`)."""
+        if self.logprobs is None:
+            return {}
+        pack, lanes, ks = self.logprobs
+        return dict(zip(lanes, logprobs_unpack(pack.tolist(), ks)))
 
 
 class GraphDecoder:
@@ -210,16 +220,22 @@ class GraphDecoder:
                 self.table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
             self._mirrored[row] = list(blocks)
 
-    def fetch(self, greedy: torch.Tensor) -> GreedyFetch:
-        """Queue the copy of a step's greedy tokens [2, n] to the host; no sync."""
+    def fetch(self, greedy: torch.Tensor, logprobs=None) -> GreedyFetch:
+        """Queue the copy of a step's greedy tokens [2, n] to the host (and of `logprobs`, a
+        `logprobs_pack` with its lanes and their k, where rows want them); no sync."""
         self._fetch_turn ^= 1
         t = self._fetch_turn
         n = greedy.shape[1]
         self._fetch_host[t][: 2 * n].view(2, n).copy_(greedy.contiguous(), non_blocking=True)
+        if logprobs is not None:  # rare (only rows that ask): an allocation per step is fine
+            pack = logprobs[0]
+            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=pack.device.type == "cuda")
+            host.copy_(pack, non_blocking=True)
+            logprobs = (host, *logprobs[1:])
         done = self._fetch_done[t]
         if done is not None:
             done.record()
-        return GreedyFetch(self._fetch_np[t][: 2 * n].reshape(2, n), done)
+        return GreedyFetch(self._fetch_np[t][: 2 * n].reshape(2, n), done, logprobs)
 
     def feed_next(self, tokens: torch.Tensor) -> None:
         """The tokens [n] lanes 0..n-1 of the last step produced, where they are not its greedy

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.model.prepare import prepare
 from engine.runner.attention import ForwardChunk, StepAttention
 from engine.runner.decode_graph import GraphDecoder, GreedyFetch
-from engine.runner.sampler import sample_tokens
+from engine.runner.sampler import asking_picks
 from engine.kernels import launch
 from engine.kv.rows import RowPool
 from engine.core.types import SamplingParams, StepLogits
@@ -84,17 +84,21 @@ class ModelRunner:
         return StepLogits(logits, owners, None)
 
     def fetch_picks(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
-                    generators: list[torch.Generator]) -> GreedyFetch:
+                    generators: list[torch.Generator], states: list | None = None) -> GreedyFetch:
         """A static step's tokens on their way to the host, and left on the device for the step
-        launched next: its greedy tokens [2, n] (token, finite), with each sampling row's draw (its
-        own generator, as `sample_batch` draws) in its lane."""
-        sampled = [j for j, p in enumerate(params) if not p.greedy]
-        picks = greedy
-        if sampled:
-            idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-            drawn = sample_tokens(logits.index_select(0, idx), [params[j] for j in sampled],
-                                  [generators[j] for j in sampled])
+        launched next: its greedy tokens [2, n] (token, finite), with the pick of each row that
+        asks for more (sampling with its own generator, penalties, logprobs: `asking_picks`) in
+        its lane, and those rows' logprobs."""
+        asking = [j for j, p in enumerate(params) if not p.plain]
+        picks, logprobs = greedy, None
+        if asking:
+            states = states or [None] * len(params)
+            idx = torch.tensor(asking, dtype=torch.long, device=logits.device)
+            got = asking_picks(logits.index_select(0, idx), [params[j] for j in asking],
+                               [generators[j] for j in asking], [states[j] for j in asking])
             picks = greedy.clone()
-            picks[:, idx] = drawn
+            picks[:, idx] = got.tokens
             self.decoder.feed_next(picks[0])
-        return self.decoder.fetch(picks)
+            if got.logprobs is not None:
+                logprobs = (got.logprobs, [asking[i] for i in got.logprob_rows], got.logprob_ks)
+        return self.decoder.fetch(picks, logprobs)

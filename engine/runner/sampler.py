@@ -1,4 +1,5 @@
-"""Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, seeds.
+"""Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, seeds;
+rows with penalties, biases or logprobs go through logits_process.py first.
 
 Sampled rows draw by inverse CDF: each row's uniform number comes from its own seeded generator
 (on the host, one float per row), and everything else runs on the device in a few batched ops,
@@ -9,10 +10,12 @@ one host sync however many rows sample.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
-from engine.core.types import SamplingParams
+from engine.core.types import SamplingParams, TokenLogprobs
+from engine.runner.logits_process import RowLogitsState, logprobs_pack, logprobs_unpack, process
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -92,27 +95,74 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return tokens[0]
 
 
+class Picks(NamedTuple):
+    """Tokens picked on the device for rows that ask for more than a plain greedy token."""
+
+    tokens: torch.Tensor  # [2, m] int64: token, 1 where the row's distribution is finite
+    logprobs: torch.Tensor | None  # [l, 1 + 2k] `logprobs_pack` of the rows that want logprobs
+    logprob_rows: list[int]  # which of the m rows those are
+    logprob_ks: list[int]  # and how many top logprobs each wants
+
+
+def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                 states: list[RowLogitsState | None]) -> Picks:
+    """Row i of `logits` [m, V] processed by `states[i]` (where params ask), then picked greedily
+    or sampled, and its logprobs taken; all on the device, no host sync. Each processed row's
+    state records its token."""
+    dev = logits.device
+    x = logits
+    processed = [i for i, p in enumerate(params) if p.processed]
+    if processed:
+        rows = torch.tensor(processed, dtype=torch.long, device=dev)
+        x = logits.float().index_copy(0, rows, process(logits.index_select(0, rows), [states[i] for i in processed]))
+    tokens = greedy_tokens(x)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        drawn = sample_tokens(x.index_select(0, rows), [params[i] for i in sampled], [generators[i] for i in sampled])
+        tokens = tokens.index_copy(1, rows, drawn)
+    for i in processed:
+        states[i].record(tokens[0, i : i + 1])
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    pack = None
+    ks = [params[i].logprobs for i in lp_rows]
+    if lp_rows:
+        rows = torch.tensor(lp_rows, dtype=torch.long, device=dev)
+        pack = logprobs_pack(x.index_select(0, rows), tokens[0].index_select(0, rows), max(ks))
+    return Picks(tokens, pack, lp_rows, ks)
+
+
 def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[SamplingParams],
-                generators: list[torch.Generator], skip: Collection[int] = ()) -> tuple[dict, dict]:
-    """A step's tokens: row j of `logits` [n, vocab] samples with `params[j]` and `generators[j]`
-    (rows in `skip` are left out). `greedy`: the step's own greedy tokens [2, n], where it made
-    them. Greedy rows are one device call and sampled rows another. Returns ({j: (token, finite)},
-    {j: error}): a sampling failure fails the sampled rows only."""
-    greedy_rows = [j for j, p in enumerate(params) if p.greedy and j not in skip]
-    sampled_rows = [j for j, p in enumerate(params) if not p.greedy and j not in skip]
+                generators: list[torch.Generator], states: list[RowLogitsState | None] | None = None,
+                skip: Collection[int] = ()) -> tuple[dict, dict, dict]:
+    """A step's tokens: row j of `logits` [n, vocab] samples with `params[j]`, `generators[j]`
+    and `states[j]` (rows in `skip` are left out). `greedy`: the step's own greedy tokens [2, n],
+    where it made them. Plain greedy rows are one device call, and the rows that ask for more
+    (sampling, penalties, logprobs: `asking_picks`) another. Returns ({j: (token, finite)},
+    {j: error}, {j: TokenLogprobs}): a failure there fails those rows only."""
+    rows = [j for j in range(len(params)) if j not in skip]
+    plain_rows = [j for j in rows if params[j].plain]
+    asking = [j for j in rows if not params[j].plain]
     picked: dict[int, tuple[int, bool]] = {}
     failed: dict[int, str] = {}
-    if greedy_rows:
-        if len(greedy_rows) < len(params):
-            tokens, finite = greedy_batch(logits[greedy_rows])
+    logprobs: dict[int, TokenLogprobs] = {}
+    if plain_rows:
+        if len(plain_rows) < len(params):
+            tokens, finite = greedy_batch(logits[plain_rows])
         else:
             tokens, finite = greedy_host(greedy) if greedy is not None else greedy_batch(logits)
-        picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
-    if sampled_rows:
+        picked = {j: (t, ok) for j, t, ok in zip(plain_rows, tokens, finite)}
+    if asking:
+        states = states or [None] * len(params)
         try:
-            tokens, finite = sample_batch(logits[sampled_rows], [params[j] for j in sampled_rows],
-                                          [generators[j] for j in sampled_rows])
-            picked.update({j: (t, ok) for j, t, ok in zip(sampled_rows, tokens, finite)})
+            picks = asking_picks(logits[asking], [params[j] for j in asking], [generators[j] for j in asking],
+                                 [states[j] for j in asking])
+            tokens, finite = greedy_host(picks.tokens)
+            if picks.logprobs is not None:
+                lps = logprobs_unpack(picks.logprobs.tolist(), picks.logprob_ks)
+                logprobs = {asking[i]: lp for i, lp in zip(picks.logprob_rows, lps)}
+            picked.update({j: (t, ok) for j, t, ok in zip(asking, tokens, finite)})
         except Exception as exc:
-            failed = {j: f"sampling failed: {exc}" for j in sampled_rows}
-    return picked, failed
+            failed = {j: f"sampling failed: {exc}" for j in asking}
+            logprobs = {}
+    return picked, failed, logprobs

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
 from service import chat, sse
+from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
 from service.turns import (check_model, check_supported, collect, render_chat, require_ready, sampling_params,
-                           start_turn, tokenize)
+                           start_turns, tokenize)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -51,13 +54,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     msgs = chat.chat_messages(body.messages)
     ids = await render_chat(st, msgs, 0, [], generation_prompt=True)
     params = sampling_params(body, st.end_of_turn_ids)
-    turn = await start_turn(st, ids, params, _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turn, request, chat=True, model=st.model_name)
+    turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True)
+    return await _respond(body, turns, request, chat=True, model=st.model_name, texts=st.token_texts)
 
 
 @router.post("/completions", responses=STREAM_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, owner: str | None = Depends(tenant)):
     st = _serving(request, body)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "logprobs with echo would need the prompt's logprobs, which this server does not "
+                       "compute; leave one of them out", "invalid_request", "logprobs")
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:
@@ -72,17 +78,19 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     echo = ""  # `echo`: the reply's text starts with the prompt's
     if body.echo:
         echo = p if isinstance(p, str) else (st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else "")
-    turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turn, request, chat=False, model=st.model_name, echo=echo)
+    turns = await start_turns(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
+    return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts, echo=echo)
 
 
-def _usage(turn, last) -> dict:
-    n = last.num_output_tokens if last is not None else 0
-    cached = last.num_cached_tokens if last is not None else 0  # positions reused from the row
+def _usage(turns: list, lasts: list) -> dict:
+    """The prompt once (its n completions share its prefill), every completion's tokens."""
+    n = sum(last.num_output_tokens for last in lasts if last is not None)
+    cached = next((last.num_cached_tokens for last in lasts if last is not None), 0)  # reused from the row
+    prompt = turns[0].num_prompt_tokens
     return {
-        "prompt_tokens": turn.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": n,
-        "total_tokens": turn.num_prompt_tokens + n,
+        "total_tokens": prompt + n,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
@@ -91,53 +99,123 @@ def _finish(reason: FinishReason | None) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
-async def _respond(body, turn, request: Request, chat: bool, model: str, echo: str = ""):
+class _Choice:
+    """One completion's place in a reply: its index, whether its first chunk went out, and (the
+    completions API's logprobs) where its next token's text starts."""
+
+    def __init__(self, index: int, echo: str) -> None:
+        self.index, self.first, self.offset, self.last = index, True, len(echo), None
+
+    def logprobs(self, texts: logprobs_format.TokenText, chat: bool, ids: list[int], lps) -> dict | None:
+        if lps is None:
+            return None
+        if chat:
+            return logprobs_format.chat(texts, ids, lps)
+        out, self.offset = logprobs_format.completion(texts, ids, lps, self.offset)
+        return out
+
+
+async def _merged(turns: list) -> AsyncIterator[tuple[int, object]]:
+    """(index, chunk) of every turn's chunks, as they come; a turn's chunks stay in order."""
+    if len(turns) == 1:
+        async for out in turns[0].chunks():
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, turn):
+        try:
+            async for out in turn.chunks():
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(turns)]
+    try:
+        open_ = len(turns)
+        while open_:
+            i, out = await queue.get()
+            if out is None:
+                open_ -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Turns:
+    """The turns of one reply, closed together when the response ends."""
+
+    def __init__(self, turns: list) -> None:
+        self.turns = turns
+
+    async def aclose(self) -> None:
+        for t in self.turns:
+            t.close()
+
+
+async def _respond(body, turns: list, request: Request, chat: bool, model: str, texts, echo: str = ""):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    headers = {"X-Request-Id": turn.request_id}
+    headers = {"X-Request-Id": turns[0].request_id}
+    wants_logprobs = body.num_logprobs is not None
 
     if not body.stream:
-        text, ids, last = await collect(turn, request)
-        choice = {"index": 0, "finish_reason": _finish(last.finish_reason if last else None), "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": echo + text})
-        if body.return_token_ids:
-            choice["token_ids"] = ids
+        try:
+            results = await asyncio.gather(*(collect(t, request) for t in turns))
+        finally:
+            for t in turns:
+                t.close()
+        choices = []
+        for i, (text, ids, last, lps) in enumerate(results):
+            place = _Choice(i, echo)
+            choice = {"index": i, "finish_reason": _finish(last.finish_reason if last else None),
+                      "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": echo + text})
+            if body.return_token_ids:
+                choice["token_ids"] = ids
+            choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                             "choices": [choice], "usage": _usage(turn, last)}, headers=headers)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                             "usage": _usage(turns, [r[2] for r in results])}, headers=headers)
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
+    places = [_Choice(i, echo) for i in range(len(turns))]
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None) -> bytes:
+    def chunk(place: _Choice, delta_text: str | None, finish: str | None, token_ids: list[int] | None = None,
+              lps=None) -> bytes:
+        logprobs = place.logprobs(texts, chat, token_ids or [], lps) if wants_logprobs and lps else None
         if chat:
-            if first:
+            if place.first:
                 delta = {"role": "assistant", "content": delta_text or ""}
             else:
                 delta = {"content": delta_text} if delta_text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": place.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": place.index, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
         if body.return_token_ids:
             choice["token_ids"] = token_ids or []
+        place.first = False
         return sse.event({**head, "choices": [choice]})
 
     async def events():
-        first, last = True, None
-        async for out in turn.chunks():
-            last = out
+        failed = False
+        async for i, out in _merged(turns):
+            place = places[i]
+            place.last = out
             if out.finish_reason == FinishReason.ERROR:
                 err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
                 yield sse.event({"error": err})
+                failed = True
                 break
-            if out.text or (out.token_ids and (first or body.return_token_ids)):
-                yield chunk(echo + out.text if first else out.text, None, first, out.token_ids)
-                first = False
+            if out.text or (out.token_ids and (place.first or body.return_token_ids or wants_logprobs)):
+                yield chunk(place, echo + out.text if place.first else out.text, None, out.token_ids, out.logprobs)
             if out.finished:
-                yield chunk(None, _finish(out.finish_reason), first)
-        else:
-            if body.include_usage:
-                yield sse.event({**head, "choices": [], "usage": _usage(turn, last)})
+                yield chunk(place, None, _finish(out.finish_reason))
+        if not failed and body.include_usage:
+            yield sse.event({**head, "choices": [], "usage": _usage(turns, [p.last for p in places])})
         yield sse.DONE
 
-    return sse.response(events(), turn, headers)
+    return sse.response(events(), _Turns(turns), headers)

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from engine import FinishReason
 from service import chat, sse
+from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
@@ -75,6 +76,9 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input or messages", "invalid_request", "input")
     check_supported(body)
+    if body.n != 1:
+        raise APIError(400, "n > 1 is not available on a session: a session has one row (use /v1/completions "
+                       "or /v1/chat/completions without a session)", "invalid_request", "n")
     params = sampling_params(body, st.end_of_turn_ids)
     append = params.max_tokens == 0
     history_len, ids = await _turn_input(st, session_id, owner, body, append)
@@ -101,10 +105,11 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         return done
 
     if not body.stream:
-        text, ids_out, last = await collect(turn, request)
+        text, ids_out, last, lps = await collect(turn, request)
+        extra = {"logprobs": logprobs_format.session(ids_out, lps)} if params.logprobs is not None else {}
         if last is None:
-            return JSONResponse({"text": text, "token_ids": ids_out, "type": "done", "finish_reason": "abort"})
-        return JSONResponse({"text": text, "token_ids": ids_out, **await final(last, None)}, headers=headers)
+            return JSONResponse({"text": text, "token_ids": ids_out, **extra, "type": "done", "finish_reason": "abort"})
+        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last, None)}, headers=headers)
 
     async def events():
         prefill_s = None
@@ -112,7 +117,10 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             if prefill_s is None:
                 prefill_s = time.monotonic() - turn.started
             if out.token_ids and out.finish_reason != FinishReason.ERROR:
-                yield sse.event({"type": "token", "text": out.text, "token_ids": out.token_ids})
+                event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
+                if out.logprobs is not None:
+                    event["logprobs"] = logprobs_format.session(out.token_ids, out.logprobs)
+                yield sse.event(event)
             if out.finished:
                 yield sse.event(await final(out, prefill_s))
         yield sse.DONE

@@ -36,7 +36,24 @@ MATRIX = [
     ("top_p zero", "POST", "/v1/chat/completions", chat(top_p=0), 400, "invalid_request"),
     ("top_p above one", "POST", "/v1/chat/completions", chat(top_p=1.5), 400, "invalid_request"),
     ("top_k below -1", "POST", "/v1/chat/completions", chat(top_k=-5), 400, "invalid_request"),
-    ("n = 2", "POST", "/v1/chat/completions", chat(n=2), 400, "invalid_request"),
+    ("n = 0", "POST", "/v1/chat/completions", chat(n=0), 400, "invalid_request"),
+    ("n over the most", "POST", "/v1/completions", {"prompt": "x", "n": 17}, 400, "invalid_request"),
+    ("n on a session", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "n": 2}, 400, "invalid_request"),
+    ("n with a session id", "POST", "/v1/chat/completions", chat(n=2, session_id="{sid}"), 400, "invalid_request"),
+    ("top_logprobs 21", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "invalid_request"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=2), 400, "invalid_request"),
+    ("completion logprobs 21", "POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "invalid_request"),
+    ("logprobs with echo", "POST", "/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, 400, "invalid_request"),
+    ("session logprobs negative", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "logprobs": -1}, 400, "invalid_request"),
+    ("presence_penalty over 2", "POST", "/v1/chat/completions", chat(presence_penalty=2.5), 400, "invalid_request"),
+    ("frequency_penalty below -2", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "invalid_request"),
+    ("repetition_penalty zero", "POST", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "invalid_request"),
+    ("logit_bias key not an id", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 5}}, 400, "invalid_request"),
+    ("logit_bias key a superscript digit", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "invalid_request"),
+    ("logit_bias id past int64", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"9" * 30: 5}}, 400, "invalid_request"),
+    ("logit_bias id out of vocab", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 5}}, 400, "invalid_request"),
+    ("logit_bias over 100", "POST", "/v1/chat/completions", chat(logit_bias={"5": 101}), 400, "invalid_request"),
+    ("min_tokens over max_tokens", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "invalid_request"),
     ("stop empty string", "POST", "/v1/chat/completions", chat(stop=[""]), 400, "invalid_request"),
     ("stop wrong type", "POST", "/v1/chat/completions", chat(stop=5), 400, "invalid_request"),
     ("unknown model", "POST", "/v1/chat/completions", chat(model="gpt-9"), 404, "model_not_found"),
@@ -66,10 +83,7 @@ MATRIX = [
     ("tools", "POST", "/v1/chat/completions",
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "unsupported_parameter"),
     ("tool_choice required", "POST", "/v1/chat/completions", chat(tool_choice="required"), 400, "unsupported_parameter"),
-    ("logprobs", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=2), 400, "unsupported_parameter"),
-    ("presence_penalty", "POST", "/v1/chat/completions", chat(presence_penalty=0.5), 400, "unsupported_parameter"),
-    ("frequency_penalty", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "unsupported_parameter"),
-    ("logit_bias", "POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "unsupported_parameter"),
+    ("prompt_logprobs", "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "unsupported_parameter"),
     ("best_of", "POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
     ("session tools", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
 ]
@@ -80,6 +94,8 @@ def test_validation_matrix(server):
     sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
     failures = []
     for name, method, path, body, status, code in MATRIX:
+        if isinstance(body, dict) and body.get("session_id") == "{sid}":
+            body = {**body, "session_id": sid}
         kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else (
             {"json": body} if body is not None else {})
         try:
@@ -95,6 +111,7 @@ def test_validation_matrix(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     server.wait_idle()
     server.check_invariants()
+    assert server.engine("session_tokens", sid, None) == []  # nothing the bad turns asked for stuck
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200  # still serving
 

@@ -1,0 +1,122 @@
+"""Logprobs, penalties, logit_bias and n > 1 through the served path (the openai SDK against a real
+server with the embedded model): logprobs against the HF model's own log-softmax, streamed equal to
+not streamed, each choice of n equal to a single request with its seed, the prompt prefilled once,
+no row left behind."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def test_completion_logprobs_equal_the_reference_models(server, client, embedded_reference):
+    tok = server.state.tokenizer
+    prompt = tok("The three primary colors are")["input_ids"]
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = comp.choices[0]
+    ids = choice.model_extra["token_ids"]
+    lp = choice.logprobs
+    with torch.inference_mode():
+        logits = embedded_reference(torch.tensor([prompt + ids])).logits[0].float()
+    ref = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)  # the distribution each token came from
+    for i, t in enumerate(ids):
+        assert abs(lp.token_logprobs[i] - ref[i, t].item()) < 1e-3, i
+        assert int(ref[i].argmax()) == t  # greedy: the most likely token
+        want = torch.topk(ref[i], 5)
+        top = lp.top_logprobs[i]
+        assert len(top) == 5 and max(top.values()) == lp.token_logprobs[i]
+        assert sorted(top.values(), reverse=True) == pytest.approx(want.values.tolist(), abs=1e-3)
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(ids))]
+
+
+def test_chat_logprobs_streamed_equal_not_streamed(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(c.token for c in content) == full.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == c.logprob and c.logprob <= 0
+        assert bytes(c.bytes).decode("utf-8", errors="replace") == c.token or "\ufffd" in c.token
+    streamed = []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+
+
+def test_n_choices_equal_single_requests_with_their_seeds_and_share_one_prefill(server, client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=8,
+              temperature=1.0, extra_body={"ignore_eos": True})
+    before = server.stats().counters["prefill_tokens"], server.metric("s5_prefill_tokens_total")
+    many = client.chat.completions.create(n=3, seed=11, **kw)
+    prefilled = server.stats().counters["prefill_tokens"] - before[0]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert prefilled == many.usage.prompt_tokens  # the prompt once, not three times
+    assert server.metric("s5_prefill_tokens_total") - before[1] == prefilled
+    assert many.usage.completion_tokens == 24
+    singles = [client.chat.completions.create(seed=11 + i, **kw).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in many.choices] == singles
+    assert len(set(singles)) == 3
+    # streamed: the chunks of the choices interleave, each under its index
+    texts = ["", "", ""]
+    for ch in client.chat.completions.create(n=3, seed=11, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == singles
+    # completions, greedy: every choice is the greedy reply
+    comp = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, max_tokens=5, temperature=0)
+    one = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert [c.text for c in comp.choices] == [one.choices[0].text] * 2
+    server.wait_idle()
+    server.check_invariants()
+    stats = server.stats()
+    assert stats.rows_used == stats.session_rows  # no row left behind
+
+
+def test_logit_bias_forces_and_bans_a_token_and_penalties_change_the_reply(server):
+    tok = server.state.tokenizer
+    base = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    url = f"{server.url}/v1/completions"
+    plain = httpx.post(url, json=base, timeout=60).json()["choices"][0]["token_ids"]
+    forced_id = tok(" banana", add_special_tokens=False)["input_ids"][0]
+    forced = httpx.post(url, json={**base, "logit_bias": {str(forced_id): 100}}, timeout=60).json()
+    assert forced["choices"][0]["token_ids"] == [forced_id] * 4
+    banned = httpx.post(url, json={**base, "logit_bias": {str(plain[0]): -100}}, timeout=60).json()
+    assert plain[0] not in banned["choices"][0]["token_ids"]
+    repeat = {**base, "prompt": "one one one one one one one", "max_tokens": 6}
+    free = httpx.post(url, json=repeat, timeout=60).json()["choices"][0]["token_ids"]
+    penalized = httpx.post(url, json={**repeat, "repetition_penalty": 3.0, "frequency_penalty": 2.0},
+                           timeout=60).json()["choices"][0]["token_ids"]
+    one = tok(" one", add_special_tokens=False)["input_ids"][0]
+    assert free.count(one) > penalized.count(one)
+
+
+def test_session_turn_logprobs_streamed(server):
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    body = {"input": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    tokens = [e for e in events if e["type"] == "token"]
+    lps = [x for e in tokens for x in e["logprobs"]]
+    assert [x["token_id"] for x in lps] == [t for e in tokens for t in e["token_ids"]]
+    assert all(x["top_logprobs"][0]["token_id"] == x["token_id"] for x in lps)  # greedy
+    httpx.delete(f"{server.url}/v1/sessions/{sid}")
