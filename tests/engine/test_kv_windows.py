@@ -142,3 +142,14 @@ def test_session_info_reports_the_policy_in_force():
     assert info["kv_policy"] == {"policy": "s5", "sink": 2, "native_window": 16, "budget_bytes": None,
                                  "layer_windows": [3, 7, "all", 3, 5, "all"]}
     json.dumps(info)
+
+
+def test_serve_flags(capsys):
+    from service.settings import parse_serve_args
+
+    s = parse_serve_args(["--kv-windows", "3,7,3,5"])
+    assert s.engine.kv_windows == (3, 7, 3, 5) and s.engine.kv_budget is None
+    assert parse_serve_args(["--kv-budget", "2M"]).engine.kv_budget == 2 << 20
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--kv-windows", "3,x"])
+    assert "not a comma-separated list of windows" in capsys.readouterr().err
