@@ -136,6 +136,29 @@ def perplexities(a) -> dict:
     return res
 
 
+def heldout(a) -> dict:
+    """Decode- and prefill-regime perplexity of native, the uniform windows and the solved
+    allocations (from fidelity-ppl-*.json) on documents the profile was not measured on: the
+    allocation is chosen on the profile's document, so it is judged on others."""
+    ppl = json.loads((Path(a.out) / f"fidelity-ppl-{a.tag}.json").read_text())
+    model, tok = scorer_model(a)
+    docs = corpus_docs(tok, recall.corpus_text(), a.heldout + ppl["docs"])[ppl["docs"]:]
+    scorer = Scorer(model, docs, sink=a.sink)
+    types = scorer.layer_types
+    settings = {"native": None, **{f"s5-w{w}": int(w) for w in a.windows},
+                **{f"alloc-{float(f):.3f}": dict(zip(scorer.sliding_layers(), al["windows"]))
+                   for f, al in ppl["allocations"].items()}}
+    res = {"docs": len(docs), "scored_tokens": len(docs) * (SCORED - 1), "ppl": {}}
+    out = Path(a.out) / f"fidelity-heldout-{a.tag}.json"
+    t0 = time.perf_counter()
+    for regime in a.regimes:
+        for name, w in settings.items():
+            res["ppl"].setdefault(name, {})[regime] = scorer.ppl(bounded_windows(types, w), regime)
+            out.write_text(json.dumps(res, indent=1))
+            print(f"{name} {regime}: {res['ppl'][name][regime]:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return res
+
+
 QUICK_REFERENCE = Path(__file__).parent / "results" / "fidelity-quick-cpu-int8.json"
 
 
@@ -177,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=float, nargs="+", default=[1 / 2, 1 / 3, 1 / 4],
                     help="per-layer allocations within these fractions of native's sliding-layer bytes")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill regime")
+    ap.add_argument("--heldout", type=int, default=0, help="score settings on this many other documents")
+    ap.add_argument("--regimes", nargs="+", default=["decode", "prefill"])
     ap.add_argument("--checks", action="store_true", help="agreement, needles, multi-turn per setting")
     ap.add_argument("--report", action="store_true", help="the frontier table, JSON and plot")
     ap.add_argument("--settings", nargs="+", help="settings for --checks (default: all; see fidelity_report)")
@@ -204,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         return quick(a)
     if a.ppl:
         perplexities(a)
+    if a.heldout:
+        heldout(a)
     if a.checks:
         from bench.fidelity_report import checks, setting_configs
 

@@ -38,14 +38,15 @@ def session_bytes(geo, overrides: dict, context: int, item: int = 4, block: int 
     paged layers by blocks, rings by their slots), and the positions its sliding layers keep."""
     cfg = EngineConfig(**overrides)
     lays = layer_layouts(cfg.kv_policy, geo.layer_types, geo.native_window, cfg.kv_sink, cfg.kv_window, cfg.kv_windows)
-    total = sliding_positions = 0
+    total = sliding_positions = sliding_bytes = 0
     for lay, kind, (h, d) in zip(lays, geo.layer_types, geo.kv_shapes):
         pos_bytes = 2 * h * d * item
         n = -(-context // block) * block if lay.paged else lay.ring_slots
         total += n * pos_bytes
         if kind == "sliding_attention":
             sliding_positions += n
-    return {"bytes": total, "sliding_positions": sliding_positions}
+            sliding_bytes += n * pos_bytes
+    return {"bytes": total, "sliding_positions": sliding_positions, "sliding_bytes": sliding_bytes}
 
 
 def layer_windows(geo, overrides: dict) -> list[int | None]:
@@ -130,8 +131,9 @@ def checks(a, names: list[str], configs: dict[str, dict]) -> dict:
     return res
 
 
-def frontier(a, ppl: dict, found: dict | None, geo) -> list[dict]:
-    """One row per setting: perplexities, agreement, recall, bytes; printed as a table."""
+def frontier(a, ppl: dict, found: dict | None, geo, held: dict | None = None) -> list[dict]:
+    """One row per setting: perplexities (on the profile's document, and on held-out ones),
+    agreement, recall, bytes; printed as a table."""
     configs = setting_configs(ppl)
     native = ppl["native"]
     rows = []
@@ -147,7 +149,10 @@ def frontier(a, ppl: dict, found: dict | None, geo) -> list[dict]:
         row = {"setting": name, "config": {k: list(v) if isinstance(v, tuple) else v for k, v in ov.items()},
                "ppl_decode": p.get("decode"), "ppl_prefill": p.get("prefill"),
                **{f"bytes_{c}": session_bytes(geo, ov, c)["bytes"] for c in CONTEXTS},
-               "sliding_positions": session_bytes(geo, ov, CONTEXTS[-1])["sliding_positions"]}
+               **{k: v for k, v in session_bytes(geo, ov, CONTEXTS[-1]).items() if k.startswith("sliding")}}
+        if held and name in held["ppl"]:
+            row["heldout_decode"] = held["ppl"][name].get("decode")
+            row["heldout_prefill"] = held["ppl"][name].get("prefill")
         if found:
             ag = (found.get("agreement") or {}).get(name)
             row["agreement"] = ag["token_agreement"] if ag else None
@@ -172,20 +177,23 @@ def frontier(a, ppl: dict, found: dict | None, geo) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     """The frontier as a markdown table (docs/fidelity.md)."""
     nat = rows[0]
-    lines = ["| setting | sliding positions kept | KiB/session 1k / 4k / 16k | ppl decode (vs native) | "
-             "ppl prefill | greedy agreement | needles | multi-turn |", "|" + " --- |" * 8]
+    lines = ["| setting | sliding positions kept | KiB/session 1k / 4k / 16k | ppl decode, held-out (vs native) | "
+             "ppl prefill, held-out | ppl decode, profile doc | greedy agreement | needles | multi-turn |",
+             "|" + " --- |" * 9]
+
+    def rel(r, key):
+        return f"{r[key]:.2f} ({r[key] / nat[key] - 1:+.1%})" if r.get(key) and nat.get(key) else "-"
+
     for r in rows:
-        dec = f"{r['ppl_decode']:.2f} ({r['ppl_decode'] / nat['ppl_decode'] - 1:+.1%})" if r["ppl_decode"] else "-"
-        pre = (f"{r['ppl_prefill']:.2f} ({r['ppl_prefill'] / nat['ppl_prefill'] - 1:+.1%})"
-               if r.get("ppl_prefill") and nat.get("ppl_prefill") else "-")
+        dec, pre, prof = rel(r, "heldout_decode"), rel(r, "heldout_prefill"), rel(r, "ppl_decode")
         ag = f"{r['agreement']:.1%}" if r.get("agreement") is not None else "-"
         kib = " / ".join(str(r[f"bytes_{c}"] // 1024) for c in CONTEXTS)
-        lines.append(f"| {r['setting']} | {r['sliding_positions']} | {kib} | {dec} | {pre} | {ag} | "
+        lines.append(f"| {r['setting']} | {r['sliding_positions']} | {kib} | {dec} | {pre} | {prof} | {ag} | "
                      f"{r.get('needles', '-')} | {r.get('multi_turn', '-')} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, context: int = 4096) -> str | None:
+def plot(rows: list[dict], path: Path) -> str | None:
     try:
         import matplotlib
 
@@ -194,12 +202,13 @@ def plot(rows: list[dict], path: Path, context: int = 4096) -> str | None:
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
         return None
-    nat = rows[0]["ppl_decode"]
+    key = "heldout_decode" if rows[0].get("heldout_decode") else "ppl_decode"
+    nat = rows[0][key]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kind, marker, color in (("s5-w", "o", "tab:blue"), ("alloc-", "s", "tab:green"), ("native", "*", "black"),
                                 ("control", "x", "tab:red")):
-        pts = sorted((r[f"bytes_{context}"] / 1024, r["ppl_decode"] / nat, r["setting"]) for r in rows
-                     if r["setting"].startswith(kind) and r["ppl_decode"])
+        pts = sorted((r["sliding_bytes"] / 1024, r[key] / nat, r["setting"]) for r in rows
+                     if r["setting"].startswith(kind) and r.get(key))
         if not pts:
             continue
         xs, ys, names = zip(*pts)
@@ -211,8 +220,8 @@ def plot(rows: list[dict], path: Path, context: int = 4096) -> str | None:
     ax.axhline(1.05, color="grey", linestyle=":", linewidth=1)
     ax.axhline(1.02, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
-    ax.set_xlabel(f"K/V bytes per session at {context} tokens (KiB, log)")
-    ax.set_ylabel("decode-regime perplexity / native")
+    ax.set_xlabel("K/V bytes per session on the sliding layers (KiB, log; the full layers add the same to each)")
+    ax.set_ylabel("decode-regime perplexity / native" + (" (held-out documents)" if key == "heldout_decode" else ""))
     ax.set_title("restored-S5: text quality against memory")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -245,14 +254,16 @@ def report(a) -> dict:
             self.config, self.generation_config = cfg, cfg
 
     geo = geometry(_Shape(AutoConfig.from_pretrained(str(model_dir(a)))))
-    rows = frontier(a, ppl, found, geo)
+    held_path = Path(a.out) / f"fidelity-heldout-{a.tag}.json"
+    held = json.loads(held_path.read_text()) if held_path.is_file() else None
+    rows = frontier(a, ppl, found, geo, held)
     print("\n" + markdown(rows) + "\n")
     png = plot(rows, Path(a.out) / f"fidelity-frontier-{a.tag}.png")
     result = {"bench": "fidelity", "model": a.model, "weights": a.quant or "float32", "rows": rows, "plot": png,
               "perplexity": {k: ppl[k] for k in ("docs", "scored_tokens", "sink", "native_window")},
               "regimes": {"decode": "1,024-token prefix, then 256 tokens one forward each",
                           "prefill": "1,024-token prefix, then 256 tokens as forwards of 128"},
-              "checks": found}
+              "checks": found, "heldout": held}
     path = Path(a.out) / f"fidelity-frontier-{a.tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}" + (f" and {png}" if png else ""))
