@@ -145,11 +145,11 @@ def heldout(a) -> dict:
     docs = corpus_docs(tok, recall.corpus_text(), a.heldout + ppl["docs"])[ppl["docs"]:]
     scorer = Scorer(model, docs, sink=a.sink)
     types = scorer.layer_types
-    settings = {"native": None, **{f"s5-w{w}": int(w) for w in a.windows},
+    settings = {"native": None, **({} if a.skip_uniform else {f"s5-w{w}": int(w) for w in a.windows}),
                 **{f"alloc-{float(f):.3f}": dict(zip(scorer.sliding_layers(), al["windows"]))
                    for f, al in ppl["allocations"].items()}}
     res = {"docs": len(docs), "scored_tokens": len(docs) * (SCORED - 1), "ppl": {}}
-    out = Path(a.out) / f"fidelity-heldout-{a.tag}.json"
+    out = Path(a.out) / f"fidelity-heldout-{a.tag}{a.part}.json"
     t0 = time.perf_counter()
     for regime in a.regimes:
         for name, w in settings.items():
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=2)
     ap.add_argument("--gaps", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--agreement-prompts", type=int, default=8)
+    ap.add_argument("--agreement-tokens", type=int, default=64)
+    ap.add_argument("--skip-uniform", action="store_true", help="--heldout: native and the allocations only")
     ap.add_argument("--prompt-cache", help="directory keeping prompts' exact forwards for later --checks runs")
     ap.add_argument("--part", default="", help="--checks writes fidelity-checks-<tag><part>.json (the report merges all)")
     ap.add_argument("--quick", action="store_true", help="CI: the shipped settings' perplexity against the reference")

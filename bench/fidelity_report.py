@@ -69,7 +69,7 @@ def checks(a, names: list[str], configs: dict[str, dict]) -> dict:
     geo = geometry(model)
     windows = {n: layer_windows(geo, configs[n]) for n in names}
     res: dict = {"lengths": a.lengths, "depths": a.depths, "cases": a.cases, "gaps": a.gaps,
-                 "agreement_prompts": a.agreement_prompts, "agreement_tokens": 64}
+                 "agreement_prompts": a.agreement_prompts, "agreement_tokens": a.agreement_tokens}
     out = Path(a.out) / f"fidelity-checks-{a.tag}{a.part}.json"
     t0 = time.perf_counter()
 
@@ -101,7 +101,7 @@ def checks(a, names: list[str], configs: dict[str, dict]) -> dict:
         for p in recall.agreement_prompts(tok, a.agreement_prompts, 768):
             g = greedy(p)
             for n in names:
-                seqs[n].append(g.tokens(windows[n], 64))
+                seqs[n].append(g.tokens(windows[n], a.agreement_tokens))
         res["agreement"] = {n: recall.agreement(seqs[n], seqs["native"]) for n in names}
         note("agreement: " + ", ".join(f"{n} {v['token_agreement']:.1%}" for n, v in res["agreement"].items()))
     if a.lengths:
@@ -254,8 +254,9 @@ def report(a) -> dict:
             self.config, self.generation_config = cfg, cfg
 
     geo = geometry(_Shape(AutoConfig.from_pretrained(str(model_dir(a)))))
-    held_path = Path(a.out) / f"fidelity-heldout-{a.tag}.json"
-    held = json.loads(held_path.read_text()) if held_path.is_file() else None
+    held: dict = {}
+    for path in sorted(Path(a.out).glob(f"fidelity-heldout-{a.tag}*.json")):  # the parts, merged
+        _merge(held, json.loads(path.read_text()))
     rows = frontier(a, ppl, found, geo, held)
     print("\n" + markdown(rows) + "\n")
     png = plot(rows, Path(a.out) / f"fidelity-frontier-{a.tag}.png")
