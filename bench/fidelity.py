@@ -146,8 +146,8 @@ def heldout(a) -> dict:
     scorer = Scorer(model, docs, sink=a.sink)
     types = scorer.layer_types
     settings = {"native": None, **({} if a.skip_uniform else {f"s5-w{w}": int(w) for w in a.windows}),
-                **{f"alloc-{float(f):.3f}": dict(zip(scorer.sliding_layers(), al["windows"]))
-                   for f, al in ppl["allocations"].items()}}
+                **({} if a.no_alloc else {f"alloc-{float(f):.3f}": dict(zip(scorer.sliding_layers(), al["windows"]))
+                                          for f, al in ppl["allocations"].items()})}
     res = {"docs": len(docs), "scored_tokens": len(docs) * (SCORED - 1), "ppl": {}}
     out = Path(a.out) / f"fidelity-heldout-{a.tag}{a.part}.json"
     t0 = time.perf_counter()
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agreement-prompts", type=int, default=8)
     ap.add_argument("--agreement-tokens", type=int, default=64)
     ap.add_argument("--skip-uniform", action="store_true", help="--heldout: native and the allocations only")
+    ap.add_argument("--no-alloc", action="store_true", help="--heldout: native and the uniform windows only")
     ap.add_argument("--prompt-cache", help="directory keeping prompts' exact forwards for later --checks runs")
     ap.add_argument("--part", default="", help="--checks writes fidelity-checks-<tag><part>.json (the report merges all)")
     ap.add_argument("--quick", action="store_true", help="CI: the shipped settings' perplexity against the reference")

@@ -135,6 +135,12 @@ def frontier(a, ppl: dict, found: dict | None, geo, held: dict | None = None) ->
     """One row per setting: perplexities (on the profile's document, and on held-out ones),
     agreement, recall, bytes; printed as a table."""
     configs = setting_configs(ppl)
+    extra = [n for n in (held or {}).get("ppl", {}) if n.startswith("s5-w") and n not in configs]
+    if extra:  # windows scored on the held-out documents only
+        uniform = sorted([n for n in configs if n.startswith("s5-w")] + extra, key=lambda n: int(n[4:]))
+        configs = {"native": configs["native"], **{n: configs.get(n, dict(kv_policy="s5", kv_window=int(n[4:])))
+                                                   for n in uniform},
+                   **{n: c for n, c in configs.items() if n != "native" and not n.startswith("s5-w")}}
     native = ppl["native"]
     rows = []
     for name, ov in configs.items():
@@ -145,7 +151,8 @@ def frontier(a, ppl: dict, found: dict | None, geo, held: dict | None = None) ->
         elif name.startswith("alloc-"):
             p = ppl["allocations"][next(f for f in ppl["allocations"] if f"alloc-{float(f):.3f}" == name)]
         else:
-            p = ppl["uniform"].get(name[4:], ppl["uniform"].get(int(name[4:]), native))
+            w = int(name[4:])
+            p = ppl["uniform"].get(str(w), ppl["uniform"].get(w, native if w >= ppl["native_window"] else {}))
         row = {"setting": name, "config": {k: list(v) if isinstance(v, tuple) else v for k, v in ov.items()},
                "ppl_decode": p.get("decode"), "ppl_prefill": p.get("prefill"),
                **{f"bytes_{c}": session_bytes(geo, ov, c)["bytes"] for c in CONTEXTS},
@@ -177,18 +184,19 @@ def frontier(a, ppl: dict, found: dict | None, geo, held: dict | None = None) ->
 def markdown(rows: list[dict]) -> str:
     """The frontier as a markdown table (docs/fidelity.md)."""
     nat = rows[0]
-    lines = ["| setting | sliding positions kept | KiB/session 1k / 4k / 16k | ppl decode, held-out (vs native) | "
-             "ppl prefill, held-out | ppl decode, profile doc | greedy agreement | needles | multi-turn |",
-             "|" + " --- |" * 9]
+    lines = ["| setting | sliding positions kept | KiB/session 1k / 4k / 16k | ppl decode, held-out docs (vs native) | "
+             "ppl prefill, held-out docs | ppl decode, profile doc | ppl prefill, profile doc | greedy agreement | "
+             "needles | multi-turn |", "|" + " --- |" * 10]
 
     def rel(r, key):
         return f"{r[key]:.2f} ({r[key] / nat[key] - 1:+.1%})" if r.get(key) and nat.get(key) else "-"
 
     for r in rows:
-        dec, pre, prof = rel(r, "heldout_decode"), rel(r, "heldout_prefill"), rel(r, "ppl_decode")
+        dec, hpre = rel(r, "heldout_decode"), rel(r, "heldout_prefill")
+        prof, pre = rel(r, "ppl_decode"), rel(r, "ppl_prefill")
         ag = f"{r['agreement']:.1%}" if r.get("agreement") is not None else "-"
         kib = " / ".join(str(r[f"bytes_{c}"] // 1024) for c in CONTEXTS)
-        lines.append(f"| {r['setting']} | {r['sliding_positions']} | {kib} | {dec} | {pre} | {prof} | {ag} | "
+        lines.append(f"| {r['setting']} | {r['sliding_positions']} | {kib} | {dec} | {hpre} | {prof} | {pre} | {ag} | "
                      f"{r.get('needles', '-')} | {r.get('multi_turn', '-')} |")
     return "\n".join(lines)
 
