@@ -130,12 +130,15 @@ class NeedleMaker:
         return Needle(head + body + q, value, kind, filler)
 
 
-def policy_config(name: str, base: EngineConfig, max_len: int, loaded: LoadedModel) -> EngineConfig:
-    """The base config under a policy, with paged KV for every row at `max_len` (+ answer)."""
+def policy_config(name: str, base: EngineConfig, max_len: int, loaded: LoadedModel,
+                  configs: dict[str, dict] | None = None) -> EngineConfig:
+    """The base config under a policy (named in `configs`, default POLICIES), with paged KV for
+    every row at `max_len` (+ answer)."""
     g = geometry(loaded.model)
     per_token = sum(2 * h * d * 4 for h, d in g.kv_shapes)  # upper bound: all layers paged
     need = base.max_rows * (max_len + 256) * per_token
-    return EngineConfig(**{**base.__dict__, **POLICIES[name], "kv_cache_bytes": max(base.kv_cache_bytes, need)})
+    overrides = (configs or POLICIES)[name]
+    return EngineConfig(**{**base.__dict__, **overrides, "kv_cache_bytes": max(base.kv_cache_bytes, need)})
 
 
 def run_requests(engine: Engine, reqs: list[Request]) -> dict[str, list[int]]:
@@ -151,7 +154,7 @@ def run_requests(engine: Engine, reqs: list[Request]) -> dict[str, list[int]]:
     return out
 
 
-def needle_grid(loaded, base, policies, lengths, depths, cases) -> dict:
+def needle_grid(loaded, base, policies, lengths, depths, cases, configs: dict[str, dict] | None = None) -> dict:
     maker = NeedleMaker(loaded.tokenizer)
     needles = {}
     for length in lengths:
@@ -163,7 +166,7 @@ def needle_grid(loaded, base, policies, lengths, depths, cases) -> dict:
     res = {}
     for policy in policies:
         t0 = time.perf_counter()
-        engine = Engine(policy_config(policy, base, max(lengths), loaded), loaded)
+        engine = Engine(policy_config(policy, base, max(lengths), loaded, configs), loaded)
         ids = {k: f"n{i}" for i, k in enumerate(needles)}
         out = run_requests(engine, [Request(ids[k], n.prompt, params) for k, n in needles.items()])
         hits = {k: needles[k].value in loaded.tokenizer.decode(out[ids[k]]) for k in needles}
@@ -173,7 +176,7 @@ def needle_grid(loaded, base, policies, lengths, depths, cases) -> dict:
     return {"needles": needles, "hits": res}
 
 
-def multi_turn(loaded, base, policies, gaps, cases) -> dict:
+def multi_turn(loaded, base, policies, gaps, cases, configs: dict[str, dict] | None = None) -> dict:
     """The embedded model is a base model, so a session is one document fed in turns: turn 1
     carries the needle, each later turn more text (the model continues each turn for 16 tokens,
     which join the history), the last turn asks for the value."""
@@ -182,7 +185,7 @@ def multi_turn(loaded, base, policies, gaps, cases) -> dict:
     prose = maker.sentences["prose"]
     res = {}
     for policy in policies:
-        engine = Engine(policy_config(policy, base, 4096, loaded), loaded)
+        engine = Engine(policy_config(policy, base, 4096, loaded, configs), loaded)
         hits = {}
         for gap in gaps:
             rng = random.Random(gap)

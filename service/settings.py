@@ -121,6 +121,15 @@ def _none_or(show: Callable[[Any], str], none: str) -> Callable[[Any], str]:
     return lambda v: none if v is None else show(v)
 
 
+def _parse_windows(text: str) -> tuple[int, ...] | None:
+    if text.strip().lower() in ("", "none"):
+        return None
+    try:
+        return tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of windows: {text!r}") from None
+
+
 def _parse_int_or_auto(text: str) -> int | None:
     return None if text.strip().lower() in ("", "auto", "none") else int(text)
 
@@ -150,6 +159,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            parse=int, metavar="N"),
     Option("--window", "engine.kv_window", "most recent positions kept on bounded layers between forwards",
            parse=int, metavar="N"),
+    Option("--kv-windows", "engine.kv_windows",
+           "one window per bounded layer, comma-separated (s5: per sliding layer, in layer order), "
+           "instead of --window for all", parse=_parse_windows, show=_none_or(lambda v: ",".join(map(str, v)), "none"),
+           metavar="W,W,..."),
+    Option("--kv-budget", "engine.kv_budget",
+           "K/V bytes per session on the sliding layers (s5): each layer's window is solved from the "
+           "model's measured window profile within this budget (e.g. 1M); see docs/fidelity.md",
+           parse=lambda t: None if t.strip().lower() in ("", "none") else parse_bytes(t),
+           show=_none_or(show_bytes, "none"), metavar="BYTES"),
     Option("--rows", "engine.max_rows", "KV rows: sessions and stateless requests resident at once",
            parse=int, metavar="N"),
     Option("--kv-cache-bytes", "engine.kv_cache_bytes",

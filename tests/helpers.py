@@ -62,10 +62,14 @@ def s5_mask(forward_starts: list[int], sink: int, window: int, native_window: in
 
 @torch.inference_mode()
 def oracle_logits(model, tokens: list[int], forward_starts: list[int], policy: str, sink: int,
-                  window: int) -> torch.Tensor:
-    """Logits [T, V] of a full recompute of `tokens` (no cache) under the policy's mask."""
+                  window: int, windows: list[int | None] | None = None) -> torch.Tensor:
+    """Logits [T, V] of a full recompute of `tokens` (no cache) under the policy's mask.
+    `windows`: per decoder layer, the window of a bounded layer (None: not bounded), instead of
+    the policy's one `window`; the layers then run one by one, each with its own mask."""
     cfg = model.config
     W = cfg.sliding_window
+    if windows is not None:
+        return _per_layer_oracle(model, tokens, forward_starts, sink, windows)
     masks = {}
     for kind in set(cfg.layer_types):
         sliding = kind == "sliding_attention"
@@ -75,6 +79,24 @@ def oracle_logits(model, tokens: list[int], forward_starts: list[int], policy: s
     out = model(input_ids=ids, position_ids=torch.arange(len(tokens))[None], attention_mask=masks,
                 use_cache=False)
     return out.logits[0].float()
+
+
+def _per_layer_oracle(model, tokens, forward_starts, sink, windows) -> torch.Tensor:
+    cfg = model.config
+    mm = model.model
+    ids = torch.tensor([tokens])
+    pos = torch.arange(len(tokens))[None]
+    h = mm.embed_tokens(ids)
+    pe = {kind: mm.rotary_emb(h, pos, kind) for kind in set(cfg.layer_types)}
+    for i, layer in enumerate(mm.layers):
+        kind = cfg.layer_types[i]
+        sliding = kind == "sliding_attention"
+        mask = s5_mask(forward_starts, sink, windows[i] or 0, cfg.sliding_window, sliding, windows[i] is not None)
+        out = layer(h, attention_mask=mask[None, None], position_embeddings=pe[kind], position_ids=pos)
+        h = out[0] if isinstance(out, tuple) else out
+    logits = model.lm_head(mm.norm(h))[0].float()
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def tiny_gemma4(seed: int = 0, **overrides):

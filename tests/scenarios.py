@@ -111,11 +111,12 @@ def run_sessions(engine, turns_per_session, rng, max_tokens=6, stagger=True):
     return out, rec
 
 
-def check_against_oracle(engine, ref_model, results, rec, policy, sink, window, atol):
+def check_against_oracle(engine, ref_model, results, rec, policy, sink, window, atol, windows=None):
+    """`windows`: per layer, a bounded layer's own window (None: not bounded), see oracle_logits."""
     worst = 0.0
     n = 0
     for sid, (toks, fs, rids) in results.items():
-        ref = oracle_logits(ref_model, toks, fs, policy, sink, window)
+        ref = oracle_logits(ref_model, toks, fs, policy, sink, window, windows)
         for (rid, pos), lg in rec.logits.items():
             if rid in rids:
                 worst = max(worst, (lg - ref[pos]).abs().max().item())

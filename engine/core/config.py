@@ -23,6 +23,12 @@ class EngineConfig:
     kv_policy: str = "s5"
     kv_sink: int = 4  # positions kept at the start of bounded layers
     kv_window: int = 64  # most recent positions kept on bounded layers between forwards
+    # One window per bounded layer instead of `kv_window` for all (s5: per sliding layer, in layer
+    # order; sink-window: per layer), e.g. an allocation solved by kv/windows.py.
+    kv_windows: tuple[int, ...] | None = None
+    # Bytes of K/V per session on the bounded layers: the windows are then solved per layer from
+    # the model's window profile (kv/windows.py), within this budget. Exclusive with kv_windows.
+    kv_budget: int | None = None
     max_rows: int = 16  # KV rows (sessions + stateless requests resident at once)
     kv_block_size: int = 16  # tokens per block of the paged (exact) layers
     kv_cache_bytes: int = 1 << 30  # bytes for paged blocks (exact layers), all rows together
@@ -83,6 +89,20 @@ class EngineConfig:
             raise ValueError("swap_bytes must be >= 0")
         if self.kv_sink < 0:
             raise ValueError("kv_sink must be >= 0")
+        if self.kv_windows is not None:
+            if isinstance(self.kv_windows, list):
+                object.__setattr__(self, "kv_windows", tuple(self.kv_windows))
+            if not self.kv_windows or min(self.kv_windows) < 1:
+                raise ValueError("kv_windows must be a non-empty list of windows >= 1")
+            if self.kv_policy not in ("s5", "sink-window"):
+                raise ValueError("kv_windows applies to the s5 and sink-window policies")
+        if self.kv_budget is not None:
+            if self.kv_budget < 1:
+                raise ValueError("kv_budget must be >= 1 byte")
+            if self.kv_windows is not None:
+                raise ValueError("give kv_windows or kv_budget, not both")
+            if self.kv_policy != "s5":
+                raise ValueError("kv_budget applies to the s5 policy")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
 

@@ -40,6 +40,7 @@ from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
 from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs
 from engine.kv.policy import layer_layouts
+from engine.kv.windows import budget_windows
 from engine.kv.rows import RowPool
 from engine.model.hf_adapter import geometry
 from engine.model.loader import LoadedModel, load_model
@@ -77,12 +78,15 @@ class Engine:
         self.geometry = geo
         self.max_model_len = min(config.max_model_len or geo.max_position_embeddings, geo.max_position_embeddings)
         self.eos_token_ids = set(geo.eos_token_ids)
-        self.layouts = layer_layouts(
-            config.kv_policy, geo.layer_types, geo.native_window, config.kv_sink, config.kv_window
-        )
         dtype = next(loaded.model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.bfloat16  # quantized weights: K/V in the compute dtype
+        # the windows of bounded layers: one for all, one per layer, or solved within a budget
+        self.kv_windows = config.kv_windows
+        if config.kv_budget is not None:
+            self.kv_windows = budget_windows(config, loaded.name, geo, torch.empty((), dtype=dtype).element_size())
+        self.layouts = layer_layouts(config.kv_policy, geo.layer_types, geo.native_window, config.kv_sink,
+                                     config.kv_window, self.kv_windows)
         self.pool = RowPool.sized(self.layouts, geo.kv_shapes, dtype, config.device, config.max_rows,
                                   config.kv_block_size, config.kv_cache_bytes)
         capture = self.pool.device.type == "cuda"
@@ -97,7 +101,8 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
         # an SQLite file, or a PostgreSQL store shared by replicas (the table asks it through SharedStore)
-        db = open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
+        db = (open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size, self.kv_windows))
+              if config.session_db else None)
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         # stored responses of /v1/responses, in the same store (its verbs: ipc.CALLS)
         self.responses = ResponseStore(db.responses() if db is not None else None, self.stats)
@@ -155,7 +160,16 @@ class Engine:
         return len(history), history[len(history) - min(num_tokens, len(history)):]
 
     def session_info(self, session_id: str, owner: str | None = None) -> dict:
-        return self.sessions.info(self.sessions.get(session_id, owner))
+        return {**self.sessions.info(self.sessions.get(session_id, owner)), "kv_policy": self.kv_policy_info()}
+
+    def kv_policy_info(self) -> dict:
+        """The KV policy in force: per layer, what its row keeps between forwards ("all": every
+        position; an int: sink + that many recent positions; native's rings keep the model's
+        window, exactly)."""
+        cfg = self.config
+        return {"policy": cfg.kv_policy, "sink": cfg.kv_sink, "native_window": self.geometry.native_window,
+                "budget_bytes": cfg.kv_budget,
+                "layer_windows": ["all" if lay.paged else lay.window for lay in self.layouts]}
 
     def evict_session(self, session_id: str, reason: str) -> None:
         self._end_session(self.sessions[session_id], evicted_because=reason)

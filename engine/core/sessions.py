@@ -57,11 +57,15 @@ class Session:
     durable: bool = True  # its transcript is in the SessionDB (False after a failed write)
 
 
-def fingerprint(model_name: str, config, vocab_size: int) -> str:
-    """What a stored session's K/V depends on besides its tokens."""
-    return json.dumps({"model": model_name, "dtype": config.dtype, "quantization": config.quantization,
-                       "kv_policy": config.kv_policy, "kv_sink": config.kv_sink, "kv_window": config.kv_window,
-                       "vocab": vocab_size}, sort_keys=True)
+def fingerprint(model_name: str, config, vocab_size: int, kv_windows: tuple[int, ...] | None = None) -> str:
+    """What a stored session's K/V depends on besides its tokens (`kv_windows`: the per-layer
+    windows in force, if any)."""
+    key = {"model": model_name, "dtype": config.dtype, "quantization": config.quantization,
+           "kv_policy": config.kv_policy, "kv_sink": config.kv_sink, "kv_window": config.kv_window,
+           "vocab": vocab_size}
+    if kv_windows is not None:
+        key["kv_windows"] = list(kv_windows)
+    return json.dumps(key, sort_keys=True)
 
 
 class SessionTable:

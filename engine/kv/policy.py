@@ -16,6 +16,10 @@ Policies (DESIGN.md section 1):
     native       full-attention layers paged; sliding layers ring(0, native window) (exact)
     full         every layer paged (exact)
     sink-window  every layer ring(sink, window), staged: the ablation control that loses recall
+
+Under s5 and sink-window, `windows` may give each bounded layer its own window (in layer order:
+one per sliding layer under s5, one per layer under sink-window); the rule of what a forward's
+tokens see is the same, only how many recent positions each bounded layer keeps differs.
 """
 
 from __future__ import annotations
@@ -45,10 +49,21 @@ def layer_layouts(
     native_window: int | None,
     sink: int,
     window: int,
+    windows: list[int] | tuple[int, ...] | None = None,
 ) -> list[LayerLayout]:
-    """One LayerLayout per decoder layer for `policy`."""
+    """One LayerLayout per decoder layer for `policy`; `windows`: one window per bounded layer
+    (s5: the sliding layers, sink-window: every layer), instead of `window` for all."""
+    bounded = bounded_layers(policy, layer_types)
+    if windows is not None:
+        if policy not in ("s5", "sink-window"):
+            raise ValueError(f"per-layer windows apply to the s5 and sink-window policies, not {policy!r}")
+        if len(windows) != len(bounded):
+            raise ValueError(f"{len(windows)} windows given for {len(bounded)} bounded layers under {policy}")
+        if min(windows) < 1:
+            raise ValueError("every window must be >= 1")
+    per_layer = dict(zip(bounded, windows)) if windows is not None else {}
     layouts = []
-    for kind in layer_types:
+    for i, kind in enumerate(layer_types):
         if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
             raise ValueError(f"unsupported layer type {kind!r}")
         sliding = kind == SLIDING_ATTENTION
@@ -59,12 +74,19 @@ def layer_layouts(
             assert native_window is not None
             layouts.append(LayerLayout(paged=False, sink=0, window=native_window, attn_window=attn_window))
         elif policy in ("s5", "sink-window"):
-            layouts.append(
-                LayerLayout(paged=False, sink=sink, window=window, staged=True, attn_window=attn_window)
-            )
+            layouts.append(LayerLayout(paged=False, sink=sink, window=per_layer.get(i, window), staged=True,
+                                       attn_window=attn_window))
         else:
             raise ValueError(f"unknown kv policy {policy!r}")
     return layouts
+
+
+def bounded_layers(policy: str, layer_types: list[str]) -> list[int]:
+    """Layers whose row keeps sink + window positions under `policy` (native's rings keep the
+    model's whole window, so none are bounded there)."""
+    if policy == "s5":
+        return [i for i, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION]
+    return list(range(len(layer_types))) if policy == "sink-window" else []
 
 
 def ring_slot(pos: int, sink: int, window: int) -> int:

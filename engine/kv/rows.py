@@ -11,9 +11,11 @@ layers other K/V shapes than sliding ones).
 (the last paged slot and ring row are scratch: see `scratch_paged_slot`).
 
 A row is one session (or one stateless request). It owns a list of blocks (paged layers keep every
-position, so memory follows the row's length) and a fixed run of ring slots (bounded layers keep
-sink + window positions, so memory is constant in context length). `ring_pos[row, slot]` is the
-position a ring slot holds (-1: empty). A forward split over several steps stages its own tokens
+position, so memory follows the row's length) and a fixed run of ring slots per ring layer
+(bounded layers keep sink + window positions, so memory is constant in context length). Ring
+layers may keep windows of different sizes (per-layer windows, kv/windows.py): the layers that
+share one (sink, window) form a `Ring`, whose storage has `sink + window` slots per row and whose
+`pos[row, slot]` is the position a slot holds (-1: empty). A forward split over several steps stages its own tokens
 for staged ring layers until its last chunk (see policy.py); staging is transient and counted.
 
 Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`,
@@ -30,6 +32,37 @@ import numpy as np
 import torch
 
 from engine.kv.policy import LayerLayout, ring_slot
+
+
+@dataclass
+class Ring:
+    """The ring layers that keep one (sink, window): one slot map, one record of positions."""
+
+    sink: int
+    window: int
+    layers: list[int]
+    pos: torch.Tensor  # [num_rows, slots] host, the position each slot holds (-1: empty)
+    position_bytes: int  # K and V of one position on all of `layers`
+
+    def __post_init__(self) -> None:
+        self.pos_np = self.pos.numpy()  # the same memory: per-step writes without torch dispatch
+
+    @property
+    def slots(self) -> int:
+        return self.sink + self.window
+
+    def slot(self, pos: int) -> int:
+        return ring_slot(pos, self.sink, self.window)
+
+    def survives(self, pos: int, end: int) -> bool:
+        return pos < self.sink or pos >= end - self.window
+
+    def base(self, row):
+        """First storage slot of `row` (an int, or a tensor of rows)."""
+        return row * self.slots
+
+    def range(self, row: int) -> slice:
+        return slice(row * self.slots, (row + 1) * self.slots)
 
 
 @dataclass
@@ -61,8 +94,8 @@ class RowSnapshot:
     """A row as it was at a turn boundary; restoring it undoes a cancelled turn exactly."""
 
     kv_len: int
-    ring_pos: torch.Tensor  # [ring_slots]
-    ring_k: dict[int, torch.Tensor]  # layer -> [ring_slots, Hkv, D]
+    ring_pos: list[torch.Tensor]  # per ring: [slots]
+    ring_k: dict[int, torch.Tensor]  # layer -> [slots, Hkv, D]
     ring_v: dict[int, torch.Tensor]
 
     @property
@@ -76,8 +109,8 @@ class SwappedRow:
     puts it back exactly, with no recompute."""
 
     kv_len: int
-    ring_pos: torch.Tensor  # [ring_slots]
-    ring_k: dict[int, torch.Tensor]  # ring layer -> [ring_slots, Hkv, D]
+    ring_pos: list[torch.Tensor]  # per ring: [slots]
+    ring_k: dict[int, torch.Tensor]  # ring layer -> [slots, Hkv, D]
     ring_v: dict[int, torch.Tensor]
     paged_k: dict[int, torch.Tensor]  # paged layer -> [kv_len, Hkv, D]
     paged_v: dict[int, torch.Tensor]
@@ -106,11 +139,10 @@ class RowPool:
         self.dtype = dtype
         self.paged_layers = [i for i, lay in enumerate(layouts) if lay.paged]
         self.ring_layers = [i for i, lay in enumerate(layouts) if not lay.paged]
-        rings = {(layouts[i].sink, layouts[i].window, layouts[i].staged) for i in self.ring_layers}
-        if len(rings) > 1:
-            raise ValueError("all ring layers must share one (sink, window) shape")
-        self.sink, self.window, self.staged = rings.pop() if rings else (0, 0, False)
-        self.ring_slots = self.sink + self.window
+        staged = {layouts[i].staged for i in self.ring_layers}
+        if len(staged) > 1:
+            raise ValueError("ring layers must all be staged or all not")
+        self.staged = staged.pop() if staged else False
         if self.paged_layers and num_blocks < 2:
             raise ValueError("the paged pool needs at least 2 blocks (block 0 is reserved)")
 
@@ -118,11 +150,18 @@ class RowPool:
             raise ValueError("one (num_kv_heads, head_dim) per layer")
         item = torch.empty((), dtype=dtype).element_size()
         token_bytes = [h * d * item for h, d in kv_shapes]  # one position of one layer, K or V
-        # K and V of one position on every paged layer, and on every ring layer
+        # K and V of one position on every paged layer
         self.paged_position_bytes = 2 * sum(token_bytes[i] for i in self.paged_layers)
-        self.ring_position_bytes = 2 * sum(token_bytes[i] for i in self.ring_layers)
         self.block_bytes = block_size * self.paged_position_bytes
-        self.ring_row_bytes = self.ring_slots * self.ring_position_bytes
+        shapes = sorted({(layouts[i].sink, layouts[i].window) for i in self.ring_layers})
+        self.rings: list[Ring] = []
+        self.ring_of: dict[int, int] = {}  # ring layer -> index in `rings`
+        for r, (sink, window) in enumerate(shapes):
+            layers = [i for i in self.ring_layers if (layouts[i].sink, layouts[i].window) == (sink, window)]
+            self.rings.append(Ring(sink, window, layers, torch.full((num_rows, sink + window), -1, dtype=torch.long),
+                                   2 * sum(token_bytes[i] for i in layers)))
+            self.ring_of.update({i: r for i in layers})
+        self.ring_row_bytes = sum(ring.slots * ring.position_bytes for ring in self.rings)  # one row, every ring
 
         # One scratch place per layout, never owned by a row: the last paged slot and the ring row
         # `num_rows`. Padding lanes of a fixed-size decode batch (decode_graph.py) write there.
@@ -131,14 +170,12 @@ class RowPool:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for lay, (num_kv_heads, head_dim) in zip(layouts, kv_shapes):
-            n = num_blocks * block_size + 1 if lay.paged else (num_rows + 1) * self.ring_slots
+            n = num_blocks * block_size + 1 if lay.paged else (num_rows + 1) * self.rings[self.ring_of[len(self.k)]].slots
             # Zeroed: padding gathers read block 0 and empty ring slots, and masked keys must
             # still be finite (0 * NaN would poison the softmax).
             shape = (n, num_kv_heads, head_dim)  # [slots, Hkv, D]
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
-        self.ring_pos = torch.full((num_rows, self.ring_slots), -1, dtype=torch.long)  # host
-        self._ring_pos_np = self.ring_pos.numpy()  # the same memory: per-step writes without torch dispatch
 
         self._rows: dict[int, RowState] = {}
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
@@ -183,7 +220,7 @@ class RowPool:
             raise RuntimeError("no free KV row")
         row = self._free_rows.pop()
         self._rows[row] = RowState()
-        self.ring_pos[row] = -1
+        self._clear_rings(row)
         return row
 
     def reserve(self, row: int, total_len: int) -> None:
@@ -204,15 +241,19 @@ class RowPool:
     def free_row(self, row: int) -> None:
         state = self._rows.pop(row)
         self._free_blocks.extend(reversed(state.blocks))
-        self.ring_pos[row] = -1
+        self._clear_rings(row)
         self._free_rows.append(row)
+
+    def _clear_rings(self, row: int) -> None:
+        for ring in self.rings:
+            ring.pos[row] = -1
 
     def reset_row(self, row: int) -> None:
         """Empty a row in place (keeps the row, releases its blocks)."""
         state = self._rows[row]
         state.kv_len = 0
         state.staging = None
-        self.ring_pos[row] = -1
+        self._clear_rings(row)
         self.trim(row)
 
     # ---- forks (n completions of one prompt) -----------------------------------------------------
@@ -230,8 +271,8 @@ class RowPool:
         if not self.can_fork(src, dst):
             raise RuntimeError(f"row {src} cannot be forked into row {dst}")
         kv_len = self._rows[src].kv_len
-        a, b = self._ring_range(src), self._ring_range(dst)
         for i in self.ring_layers:
+            a, b = self._ring_range(src, i), self._ring_range(dst, i)
             self.k[i][b] = self.k[i][a]
             self.v[i][b] = self.v[i][a]
         if self.paged_layers and kv_len:
@@ -240,25 +281,31 @@ class RowPool:
             for i in self.paged_layers:
                 self.k[i].index_copy_(0, to_slots, self.k[i].index_select(0, from_slots))
                 self.v[i].index_copy_(0, to_slots, self.v[i].index_select(0, from_slots))
-        self.ring_pos[dst] = self.ring_pos[src]
+        for ring in self.rings:
+            ring.pos[dst] = ring.pos[src]
         self._rows[dst].kv_len = kv_len
 
     # ---- snapshots (rollback of a cancelled turn) ------------------------------------------------
+    def _ring_range(self, row: int, layer: int) -> slice:
+        return self.rings[self.ring_of[layer]].range(row)
+
+    def _set_ring_pos(self, row: int, ring_pos: list[torch.Tensor]) -> None:
+        for ring, pos in zip(self.rings, ring_pos):
+            ring.pos[row] = pos
+
     def snapshot(self, row: int) -> RowSnapshot:
-        sl = self._ring_range(row)
         return RowSnapshot(
             kv_len=self._rows[row].kv_len,
-            ring_pos=self.ring_pos[row].clone(),
-            ring_k={i: self.k[i][sl].clone() for i in self.ring_layers},
-            ring_v={i: self.v[i][sl].clone() for i in self.ring_layers},
+            ring_pos=[ring.pos[row].clone() for ring in self.rings],
+            ring_k={i: self.k[i][self._ring_range(row, i)].clone() for i in self.ring_layers},
+            ring_v={i: self.v[i][self._ring_range(row, i)].clone() for i in self.ring_layers},
         )
 
     def restore(self, row: int, snap: RowSnapshot) -> None:
-        sl = self._ring_range(row)
         for i in self.ring_layers:
-            self.k[i][sl] = snap.ring_k[i]
-            self.v[i][sl] = snap.ring_v[i]
-        self.ring_pos[row] = snap.ring_pos
+            self.k[i][self._ring_range(row, i)] = snap.ring_k[i]
+            self.v[i][self._ring_range(row, i)] = snap.ring_v[i]
+        self._set_ring_pos(row, snap.ring_pos)
         state = self._rows[row]
         state.kv_len = snap.kv_len
         state.staging = None
@@ -274,14 +321,13 @@ class RowPool:
         forwards (no staging)."""
         state = self._rows[row]
         assert state.staging is None, "a row is swapped only between forwards"
-        sl = self._ring_range(row)
         host = torch.device("cpu")
         slots = torch.from_numpy(self.paged_slots(row, 0, state.kv_len)).to(self.device)
         out = SwappedRow(
             kv_len=state.kv_len,
-            ring_pos=self.ring_pos[row].clone(),
-            ring_k={i: self.k[i][sl].to(host, copy=True) for i in self.ring_layers},
-            ring_v={i: self.v[i][sl].to(host, copy=True) for i in self.ring_layers},
+            ring_pos=[ring.pos[row].clone() for ring in self.rings],
+            ring_k={i: self.k[i][self._ring_range(row, i)].to(host, copy=True) for i in self.ring_layers},
+            ring_v={i: self.v[i][self._ring_range(row, i)].to(host, copy=True) for i in self.ring_layers},
             paged_k={i: self.k[i].index_select(0, slots).to(host) for i in self.paged_layers},
             paged_v={i: self.v[i].index_select(0, slots).to(host) for i in self.paged_layers},
         )
@@ -292,27 +338,27 @@ class RowPool:
         """A new row holding exactly what `swapped` held, with blocks for `total_len` positions."""
         row = self.allocate_row()
         self.reserve(row, max(total_len, swapped.kv_len))
-        sl = self._ring_range(row)
         for i in self.ring_layers:
-            self.k[i][sl] = swapped.ring_k[i].to(self.device)
-            self.v[i][sl] = swapped.ring_v[i].to(self.device)
+            self.k[i][self._ring_range(row, i)] = swapped.ring_k[i].to(self.device)
+            self.v[i][self._ring_range(row, i)] = swapped.ring_v[i].to(self.device)
         slots = torch.from_numpy(self.paged_slots(row, 0, swapped.kv_len)).to(self.device)
         for i in self.paged_layers:
             self.k[i].index_copy_(0, slots, swapped.paged_k[i].to(self.device))
             self.v[i].index_copy_(0, slots, swapped.paged_v[i].to(self.device))
-        self.ring_pos[row] = swapped.ring_pos
+        self._set_ring_pos(row, swapped.ring_pos)
         self._rows[row].kv_len = swapped.kv_len
         return row
 
     def contents(self, row: int) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor]]:
-        """Everything the row holds, on the host: (kv_len, ring positions, K, V), K and V per
-        layer (ring layers' slots, then paged layers' positions). For checks, not the step."""
+        """Everything the row holds, on the host: (kv_len, ring positions per ring, K, V), K and V
+        per layer (ring layers' slots, then paged layers' positions). For checks, not the step."""
         kv_len = self.kv_len(row)
-        ring = self._ring_range(row)
         slots = torch.from_numpy(self.paged_slots(row, 0, kv_len)).to(self.device)
-        ks = [self.k[i][ring].cpu() for i in self.ring_layers] + [self.k[i][slots].cpu() for i in self.paged_layers]
-        vs = [self.v[i][ring].cpu() for i in self.ring_layers] + [self.v[i][slots].cpu() for i in self.paged_layers]
-        return kv_len, self.ring_pos[row].tolist(), ks, vs
+        ks = [self.k[i][self._ring_range(row, i)].cpu() for i in self.ring_layers]
+        vs = [self.v[i][self._ring_range(row, i)].cpu() for i in self.ring_layers]
+        ks += [self.k[i][slots].cpu() for i in self.paged_layers]
+        vs += [self.v[i][slots].cpu() for i in self.paged_layers]
+        return kv_len, [ring.pos[row].tolist() for ring in self.rings], ks, vs
 
     # ---- a layer's K/V, for the step's attention ---------------------------------------------------
     def store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,12 +404,9 @@ class RowPool:
         p = np.arange(start, end, dtype=np.int64)
         return blocks[p // bs] * bs + p % bs
 
-    def ring_base(self, row: int) -> int:
-        return row * self.ring_slots
-
-    def _ring_range(self, row: int) -> slice:
-        base = self.ring_base(row)
-        return slice(base, base + self.ring_slots)
+    def ring(self, layer: int) -> Ring:
+        """The ring of a ring layer."""
+        return self.rings[self.ring_of[layer]]
 
     # ---- writes during the step (called per layer by the attention) -----------------------------
     def stage(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -393,9 +436,11 @@ class RowPool:
         if self.staged and not forward_done:
             return  # this forward's tokens stay staged until its last chunk
         first = forward_start if self.staged else start
-        for p in range(first, end):
-            if p < self.sink or p >= end - self.window:
-                self._ring_pos_np[row, ring_slot(p, self.sink, self.window)] = p
+        for ring in self.rings:
+            for p in range(max(first, end - ring.window), end):
+                ring.pos_np[row, ring.slot(p)] = p
+            for p in range(first, min(end, ring.sink)):
+                ring.pos_np[row, p] = p
         if forward_done:
             state.staging = None
 
@@ -406,9 +451,9 @@ class RowPool:
             state = self._rows[row]
             assert state.kv_len == p and state.staging is None
             state.kv_len = p + 1
-        if self.ring_layers and rows:
-            slots = [ring_slot(p, self.sink, self.window) for p in positions]
-            self._ring_pos_np[rows, slots] = positions
+        if rows:
+            for ring in self.rings:
+                ring.pos_np[rows, [ring.slot(p) for p in positions]] = positions
 
     def undo_decode(self, row: int, p: int, evicted: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Undo the row's last one-token forward (position `p`), which a step launched ahead of
@@ -417,16 +462,15 @@ class RowPool:
         state = self._rows[row]
         assert state.kv_len == p + 1 and state.staging is None
         state.kv_len = p
-        if not self.ring_layers:
-            return
-        slot = ring_slot(p, self.sink, self.window)
-        old = p - self.window  # the slot's previous position: the oldest of the window, if any
-        self._ring_pos_np[row, slot] = old if old >= self.sink else -1
-        dst = self.ring_base(row) + slot
-        for i in self.ring_layers:
-            k, v = evicted[i]
-            self.k[i][dst] = k
-            self.v[i][dst] = v
+        for ring in self.rings:
+            slot = ring.slot(p)
+            old = p - ring.window  # the slot's previous position: the oldest of the window, if any
+            ring.pos_np[row, slot] = old if old >= ring.sink else -1
+            dst = ring.base(row) + slot
+            for i in ring.layers:
+                k, v = evicted[i]
+                self.k[i][dst] = k
+                self.v[i][dst] = v
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_kv_bytes(self, row: int) -> dict[str, int]:
@@ -440,7 +484,7 @@ class RowPool:
     def allocated_bytes(self) -> int:
         """Bytes of K/V storage, less the reserved zero block and the scratch places."""
         total = sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
-        scratch = self.paged_position_bytes + self.ring_slots * self.ring_position_bytes
+        scratch = self.paged_position_bytes + self.ring_row_bytes
         return total - scratch - (self.block_bytes if self.paged_layers else 0)
 
     def used_rows(self) -> list[int]:
@@ -466,9 +510,10 @@ class RowPool:
         assert accounted == self.allocated_bytes(), "bytes accounted != bytes allocated"
         for row, state in self._rows.items():
             assert self.blocks_for(state.kv_len) <= len(state.blocks), "row longer than its blocks"
-            for slot, pos in enumerate(self.ring_pos[row].tolist()):
-                if pos >= 0:
-                    assert pos < state.kv_len, "ring slot holds a future position"
-                    assert ring_slot(pos, self.sink, self.window) == slot, "ring slot misplaced"
+            for ring in self.rings:
+                for slot, pos in enumerate(ring.pos[row].tolist()):
+                    if pos >= 0:
+                        assert pos < state.kv_len, "ring slot holds a future position"
+                        assert ring.slot(pos) == slot, "ring slot misplaced"
         for row in free:
-            assert bool((self.ring_pos[row] == -1).all()), "a free row still maps positions"
+            assert all(bool((ring.pos[row] == -1).all()) for ring in self.rings), "a free row still maps positions"

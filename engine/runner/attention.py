@@ -8,8 +8,13 @@ same layout; the per-layer work is a gather, one SDPA per group and one scatter.
 
 Mask (DESIGN.md section 1), for a query at position q in a forward that started at s:
 key k is visible iff  k <= q,  q - k < attn_window (sliding layers),  and on ring layers
-(k >= s  or  k < sink  or  k >= s - window). Resident ring slots hold only such keys by
-construction; the rule is still applied here, so the mask alone defines what a query sees.
+(k >= s  or  k < sink  or  k >= s - window), with the sink and window of the layer's ring
+(RowPool.rings: ring layers may keep windows of different sizes). Resident ring slots hold only
+such keys by construction; the rule is still applied here, so the mask alone defines what a query
+sees.
+
+Layers are told apart by their *store*: PAGED, or the index of their ring in the pool; indices,
+masks and writes are built once per store (and attention window) and shared by its layers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kv.policy import ring_slot, ring_survives
 from engine.kv.rows import RowPool
 
 # On the CPU, a prefill chunk longer than this attends in query blocks of this many tokens, each
@@ -30,6 +34,7 @@ from engine.kv.rows import RowPool
 # computes all of it. On CUDA that grid costs less than the blocks' host work (a gather, a mask
 # and an SDPA per block and layer), so a chunk attends in one call.
 QUERY_BLOCK = 256
+PAGED = -1  # the store of paged layers; ring layers' store is their ring's index
 
 
 class ForwardChunk(NamedTuple):
@@ -47,12 +52,12 @@ class _Group:
     lo: int  # the group's tokens are packed[lo:hi], row-major: B rows of T tokens
     hi: int
     batch: int  # B
-    gather: dict[bool, torch.Tensor]  # paged? -> [B, L_res] storage slots
+    gather: dict[int, torch.Tensor]  # store -> [B, L_res] storage slots
     staged_rows: list[int | None]  # B == 1 groups: row whose staging joins the keys
-    masks: dict[tuple[bool, int | None], torch.Tensor]  # (paged, attn_window) -> [B, 1, T, L]
-    # long single-chunk groups: (paged, attn_window) -> [(t0, t1, keys, mask)], query blocks that
+    masks: dict[tuple[int, int | None], torch.Tensor]  # (store, attn_window) -> [B, 1, T, L]
+    # long single-chunk groups: (store, attn_window) -> [(t0, t1, keys, mask)], query blocks that
     # each attend only to the keys their rows can see (keys: a slice or an index tensor into L)
-    blocks: dict[tuple[bool, int | None], list] | None = None
+    blocks: dict[tuple[int, int | None], list] | None = None
 
 
 class StepAttention:
@@ -74,7 +79,8 @@ class StepAttention:
         self.positions = torch.tensor(
             [p for c in self.order for p in range(c.start, c.start + c.num_tokens)], dtype=torch.long
         )  # [T_total]
-        classes = {(lay.paged, lay.attn_window) for lay in pool.layouts}
+        self.store = [PAGED if lay.paged else pool.ring_of[i] for i, lay in enumerate(pool.layouts)]
+        classes = {(store, lay.attn_window) for store, lay in zip(self.store, pool.layouts)}
         self.groups: list[_Group] = []
         if decode:
             self.groups.append(self._group(decode, offsets[: len(decode)], classes, dev))
@@ -83,15 +89,16 @@ class StepAttention:
         self._build_writes(offsets, dev)
 
     # ---- index building (host, once per step) -------------------------------------------------
-    def _resident(self, chunks, paged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _resident(self, chunks, store: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Storage slots and positions [B, L] of each chunk's keys read from storage (padding:
         slot 0, position -1). Paged layers store the step's new tokens first, so their keys are
         one gather of positions [0, end); ring layers read what the row held before the step (the
         new tokens are appended)."""
         pool = self.pool
-        if not paged:
+        if store != PAGED:
+            ring = pool.rings[store]
             rows = torch.tensor([c.row for c in chunks], dtype=torch.long)
-            return pool.ring_base(rows)[:, None] + torch.arange(pool.ring_slots), pool.ring_pos[rows]
+            return ring.base(rows)[:, None] + torch.arange(ring.slots), ring.pos[rows]
         ends = np.array([c.start + c.num_tokens for c in chunks], dtype=np.int64)
         at = np.arange(int(ends.max()), dtype=np.int64)
         slots = np.zeros((len(chunks), at.size), dtype=np.int64)
@@ -108,45 +115,47 @@ class StepAttention:
         staged_rows: list[int | None] = []
         for c in chunks:
             staged_rows.append(c.row if pool.staged_span(c.row) is not None else None)
-        for paged in {p for p, _ in classes}:
-            slots, pos = self._resident(chunks, paged)
+        for store in {s for s, _ in classes}:
+            slots, pos = self._resident(chunks, store)
             extra = []
-            if not paged and len(chunks) == 1 and staged_rows[0] is not None:
+            if store != PAGED and len(chunks) == 1 and staged_rows[0] is not None:
                 c = chunks[0]
                 extra.append(torch.arange(c.forward_start, c.start).unsqueeze(0))
-            if not paged:
+            if store != PAGED:
                 extra.append(q_pos)
-            gather[paged] = slots.to(dev)
-            key_pos[paged] = torch.cat([pos, *extra], dim=1)  # [B, L]
+            gather[store] = slots.to(dev)
+            key_pos[store] = torch.cat([pos, *extra], dim=1)  # [B, L]
         # A mask is built where SDPA reads it: a multi-token chunk's [T, L] mask on the device
         # from its T + L positions; one-token rows' [B, 1, L] masks (smaller than their inputs)
         # on the host. The CPU's query blocks (below) slice the chunk's mask on the host.
         mdev = dev if tmax > 1 else torch.device("cpu")
         fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None].to(mdev)
         masks, blocks = {}, {}
-        for paged, attn_window in classes:
-            k = key_pos[paged].to(mdev)[:, None, :]  # [B, 1, L]
+        for store, attn_window in classes:
+            k = key_pos[store].to(mdev)[:, None, :]  # [B, 1, L]
             q = q_pos.to(mdev)[:, :, None]  # [B, T, 1]
             m = (k >= 0) & (k <= q)
             if attn_window is not None:
                 m &= (q - k) < attn_window
-            if not paged:
-                m &= (k >= fstart) | (k < pool.sink) | (k >= fstart - pool.window)
+            if store != PAGED:
+                ring = pool.rings[store]
+                m &= (k >= fstart) | (k < ring.sink) | (k >= fstart - ring.window)
             # [B, 1, T, L]. On the CPU, None when every key is visible (SDPA's unmasked path is
             # faster there); on CUDA the unmasked path measured 16x slower for these shapes.
             if len(chunks) == 1 and tmax > QUERY_BLOCK and dev.type == "cpu":  # by blocks: no whole-chunk mask
-                blocks[(paged, attn_window)] = self._query_blocks(chunks[0], paged, attn_window, m[0], dev)
+                blocks[(store, attn_window)] = self._query_blocks(chunks[0], store, attn_window, m[0], dev)
                 continue
             unmasked = dev.type == "cpu" and bool(m.all())
-            masks[(paged, attn_window)] = None if unmasked else m[:, None].to(dev)
+            masks[(store, attn_window)] = None if unmasked else m[:, None].to(dev)
         lo = offsets[0]
         return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None)
 
-    def _query_blocks(self, c: ForwardChunk, paged: bool, attn_window: int | None, m: torch.Tensor, dev) -> list:
+    def _query_blocks(self, c: ForwardChunk, store: int, attn_window: int | None, m: torch.Tensor, dev) -> list:
         """Query blocks of one long chunk. Keys on a paged layer are positions 0..end-1 in order;
         on a ring layer, the ring's slots then a contiguous run of positions (staging + new)."""
         out = []
-        head = 0 if paged else self.pool.ring_slots  # keys before the contiguous run
+        paged = store == PAGED
+        head = 0 if paged else self.pool.rings[store].slots  # keys before the contiguous run
         run_start = c.start + c.num_tokens - (m.shape[-1] - head)  # position of the run's first key
         for t0 in range(0, c.num_tokens, QUERY_BLOCK):
             t1 = min(t0 + QUERY_BLOCK, c.num_tokens)
@@ -166,10 +175,12 @@ class StepAttention:
 
     def _build_writes(self, offsets, dev) -> None:
         pool = self.pool
-        pw_slots, pw_src, rw_slots, rw_src = [], [], [], []
+        pw_slots, pw_src = [], []
+        rw_slots: list[list[int]] = [[] for _ in pool.rings]  # per ring
+        rw_src: list[list[int]] = [[] for _ in pool.rings]
         self.stage_src: list[tuple[int, int, int]] = []  # (row, packed start, n) to append
-        # (row, ring slots, staging indices): staged tokens that survive into the ring
-        self.unstage: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # per ring: (row, ring slots, staging indices): staged tokens that survive into the ring
+        self.unstage: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in pool.rings]
         for c, off in zip(self.order, offsets):
             end = c.start + c.num_tokens
             if pool.paged_layers:
@@ -181,26 +192,21 @@ class StepAttention:
                 pool.open_staging(c.row, c.forward_start)
                 self.stage_src.append((c.row, off, c.num_tokens))
                 continue
-            base = pool.ring_base(c.row)
-            for t in range(c.num_tokens):
-                p = c.start + t
-                if ring_survives(p, end, pool.sink, pool.window):
-                    rw_slots.append(base + ring_slot(p, pool.sink, pool.window))
-                    rw_src.append(off + t)
             span = pool.staged_span(c.row)
-            if span is not None:
-                slots, idx = [], []
-                for j in range(span[1]):
-                    p = span[0] + j
-                    if ring_survives(p, end, pool.sink, pool.window):
-                        slots.append(base + ring_slot(p, pool.sink, pool.window))
-                        idx.append(j)
-                as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-                self.unstage.append((c.row, as_dev(slots), as_dev(idx)))
+            as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+            for r, ring in enumerate(pool.rings):
+                base = ring.base(c.row)
+                for p in _survivors(ring, c.start, end):
+                    rw_slots[r].append(base + ring.slot(p))
+                    rw_src[r].append(off + p - c.start)
+                if span is not None:
+                    kept = _survivors(ring, span[0], min(end, span[0] + span[1]), end)
+                    self.unstage[r].append((c.row, as_dev([base + ring.slot(p) for p in kept]),
+                                            as_dev([p - span[0] for p in kept])))
         as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(dev)  # noqa: E731
         self.paged_write = (cat(pw_slots), cat(pw_src))
-        self.ring_write = (as_t(rw_slots), as_t(rw_src))
+        self.ring_write = [(as_t(s), as_t(src)) for s, src in zip(rw_slots, rw_src)]  # per ring
 
     # ---- per layer ----------------------------------------------------------------------------
     def attend(
@@ -215,6 +221,7 @@ class StepAttention:
         """Attention output [1, T_total, H, D] for `layer`; then stores the new K/V."""
         pool = self.pool
         lay = pool.layouts[layer]
+        store = self.store[layer]
         k_new = key[0].transpose(0, 1)  # [T_total, Hkv, D]
         v_new = value[0].transpose(0, 1)
         q_all = query[0]  # [H, T_total, D]
@@ -222,7 +229,7 @@ class StepAttention:
             self._store_paged(layer, k_new, v_new)
         outs = []
         for g in self.groups:
-            slots = g.gather[lay.paged]
+            slots = g.gather[store]
             k, v = pool.gather(layer, slots)  # [B, L_res, Hkv, D]
             if lay.paged:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
@@ -239,29 +246,29 @@ class StepAttention:
                 k = torch.cat(keys, dim=1).transpose(1, 2)  # [B, Hkv, L, D]
                 v = torch.cat(vals, dim=1).transpose(1, 2)
             q = q_all[:, g.lo : g.hi].unflatten(1, (g.batch, -1)).transpose(0, 1)  # [B, H, T, D]
-            blocks = g.blocks.get((lay.paged, lay.attn_window)) if g.blocks else None
+            blocks = g.blocks.get((store, lay.attn_window)) if g.blocks else None
             if blocks:
                 o = torch.cat([_sdpa(q[:, :, t0:t1], _keys(k, keys), _keys(v, keys), mb, scaling, softcap)
                                for t0, t1, keys, mb in blocks], dim=2)
             else:
-                o = _sdpa(q, k, v, g.masks[(lay.paged, lay.attn_window)], scaling, softcap)  # [B, H, T, D]
+                o = _sdpa(q, k, v, g.masks[(store, lay.attn_window)], scaling, softcap)  # [B, H, T, D]
             outs.append(o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T_total, H, D]
         if not lay.paged:
-            self._store_ring(layer, k_new, v_new)
+            self._store_ring(layer, store, k_new, v_new)
         return out.unsqueeze(0)
 
     def _store_paged(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         slots, src = self.paged_write
         self.pool.write(layer, slots, k_new.index_select(0, src), v_new.index_select(0, src))
 
-    def _store_ring(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def _store_ring(self, layer: int, ring: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """After the layer's attention: survivors into ring slots, or staging for later chunks."""
         pool = self.pool
-        for row, slots, idx in self.unstage:
+        for row, slots, idx in self.unstage[ring]:
             sk, sv = pool.staged_kv(row, layer)
             pool.write(layer, slots, sk.index_select(0, idx), sv.index_select(0, idx))
-        slots, src = self.ring_write
+        slots, src = self.ring_write[ring]
         pool.write(layer, slots, k_new.index_select(0, src), v_new.index_select(0, src))
         for row, off, n in self.stage_src:
             pool.stage(row, layer, k_new[off : off + n], v_new[off : off + n])
@@ -270,6 +277,12 @@ class StepAttention:
         """After the forward: the pool records every chunk's new length and ring positions."""
         for c in self.chunks:
             self.pool.commit(c.row, c.start + c.num_tokens, c.forward_start, c.forward_done)
+
+
+def _survivors(ring, lo: int, hi: int, end: int | None = None) -> list[int]:
+    """Positions in [lo, hi) that the ring keeps after a forward ending at `end` (default hi)."""
+    end = hi if end is None else end
+    return [*range(lo, min(hi, ring.sink)), *range(max(lo, ring.sink, end - ring.window), hi)]
 
 
 def _keys(k: torch.Tensor, keys) -> torch.Tensor:

@@ -8,7 +8,7 @@ The batch is padded to the next bucket size; padding lanes read the zero block a
 pool's scratch places, so they touch no row.
 
 Per step the host writes one small int64 tensor (token ids, positions, rows, the K/V write slots
-on paged and ring layers, token sources) and copies it to the device without a sync; block tables
+on paged layers and on each ring of the pool, token sources) and copies it to the device without a sync; block tables
 live in a device mirror that is rewritten only for rows whose blocks changed. Attention runs the
 ragged decode kernels of `kernels/decode_attention.py` straight on the pool's storage. The host
 books (kv_len, ring positions) are committed exactly as the eager path commits them.
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from engine.kernels.decode_attention import decode_attention
-from engine.kv.policy import ring_slot
 from engine.kv.rows import RowPool
 from engine.runner.logits_process import logprobs_unpack
 from engine.runner.sampler import greedy_tokens
@@ -46,7 +45,7 @@ def buckets_upto(max_batch: int) -> list[int]:
 class DecodeBatch:
     """The step attention (`s5_step`) of a static decode of `size` lanes."""
 
-    IDS, POS, ROWS, PAGED_SLOT, RING_SLOT, SRC = range(6)
+    IDS, POS, ROWS, PAGED_SLOT, SRC, RING_SLOT = range(6)  # RING_SLOT + r: the write slot on ring r
 
     def __init__(self, pool: RowPool, size: int, table: torch.Tensor, last: torch.Tensor,
                  evicted: dict[int, tuple[torch.Tensor, torch.Tensor]] | None, pdl: bool = False) -> None:
@@ -57,12 +56,14 @@ class DecodeBatch:
         self.last = last  # [max_batch] the previous static step's greedy tokens, per lane
         self.evicted = evicted  # ring layer -> (k, v) [max_batch, Hkv, D]: what the step's stores overwrote
         dev = pool.device
-        self.inputs = torch.zeros((6, size), dtype=torch.long, device=dev)
-        self.ids, self.pos, self.rows, self.paged_slot, self.ring_slot, self.src = self.inputs.unbind(0)
-        self.padding = torch.zeros((6, size), dtype=torch.long)
+        fields = self.RING_SLOT + max(1, len(pool.rings))
+        self.inputs = torch.zeros((fields, size), dtype=torch.long, device=dev)
+        self.ids, self.pos, self.rows, self.paged_slot, self.src, *self.ring_slot = self.inputs.unbind(0)
+        self.padding = torch.zeros((fields, size), dtype=torch.long)
         self.padding[self.ROWS] = pool.scratch_ring_row
         self.padding[self.PAGED_SLOT] = pool.scratch_paged_slot
-        self.padding[self.RING_SLOT] = pool.scratch_ring_row * pool.ring_slots
+        for r, ring in enumerate(pool.rings):
+            self.padding[self.RING_SLOT + r] = ring.base(pool.scratch_ring_row)
         self.padding[self.SRC] = -1
         self.padding_np = self.padding.numpy()
         cuda = dev.type == "cuda"
@@ -74,8 +75,9 @@ class DecodeBatch:
         self.turn = 0
         self.inputs.copy_(self.hosts[0])
 
-    def load(self, lanes: list[tuple[int, int, int, int, int, int]]) -> None:
-        """Per-lane (id, pos, row, paged slot, ring slot, source lane or -1); the rest are padding.
+    def load(self, lanes: list[tuple[int, ...]]) -> None:
+        """Per-lane (id, pos, row, paged slot, source lane or -1, ring slot per ring); the rest
+        are padding.
         No host sync beyond waiting for the copy two steps back, which the device has long
         finished."""
         n = len(lanes)
@@ -111,9 +113,11 @@ class DecodeBatch:
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
                                    k_new=k_new, v_new=v_new, store_slot=self.paged_slot, pdl=self.pdl)
         else:
+            r = pool.ring_of[layer]
+            ring = pool.rings[r]
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
-                                   attn_window=lay.attn_window, ring=(pool.sink, pool.window),
-                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot,
+                                   attn_window=lay.attn_window, ring=(ring.sink, ring.window),
+                                   k_new=k_new, v_new=v_new, store_slot=self.ring_slot[r],
                                    evicted=self.evicted[layer] if self.evicted is not None else None, pdl=self.pdl)
         return out.unsqueeze(0)
 
@@ -253,19 +257,17 @@ class GraphDecoder:
         pool = self.pool
         size = next(b for b in self.batches if b >= len(inputs))
         batch = self.batches[size]
-        bs, rs, sink, window = pool.block_size, pool.ring_slots, pool.sink, pool.window
-        paged, ringed = bool(pool.paged_layers), bool(pool.ring_layers)
+        bs, paged, rings = pool.block_size, bool(pool.paged_layers), pool.rings
         lanes = []
         for n, inp in enumerate(inputs):
             c = inp.chunk
             p = c.start
-            pslot = rslot = 0
+            pslot = 0
             if paged:
                 self._sync_table(c.row)
                 pslot = pool.row(c.row).blocks[p // bs] * bs + p % bs
-            if ringed:
-                rslot = c.row * rs + ring_slot(p, sink, window)
-            lanes.append((inp.token_ids[0], p, c.row, pslot, rslot, -1 if sources is None else sources[n]))
+            rslots = [ring.base(c.row) + ring.slot(p) for ring in rings] or [0]
+            lanes.append((inp.token_ids[0], p, c.row, pslot, -1 if sources is None else sources[n], *rslots))
         batch.load(lanes)
         self.steps += 1
         if size in self.graphs:

@@ -90,8 +90,10 @@ def test_rows_come_back_however_the_request_ends():
     assert engine.pool.used_rows() == []
 
 
-def test_fork_copies_a_row_exactly_and_refuses_what_it_cannot_do():
-    layouts = layer_layouts("s5", ["sliding_attention", "full_attention"], 32, 2, 6)
+@pytest.mark.parametrize("windows", [None, (3, 6)])
+def test_fork_copies_a_row_exactly_and_refuses_what_it_cannot_do(windows):
+    # windows: per-layer windows, one ring per window size (each ring's slots and positions copied)
+    layouts = layer_layouts("s5", ["sliding_attention", "full_attention", "sliding_attention"], 32, 2, 6, windows)
     pool = RowPool(layouts, [(2, 8)] * len(layouts), torch.float32, "cpu", num_rows=4, block_size=4, num_blocks=20)
     src = pool.allocate_row()
     pool.reserve(src, 30)
