@@ -34,6 +34,7 @@ from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
+from engine.core.structured import Grammars
 from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits
 from engine.kv.policy import layer_layouts
 from engine.kv.rows import RowPool
@@ -94,7 +95,10 @@ class Engine:
         # an SQLite file, or a PostgreSQL store shared by replicas (core/session_sync.py)
         db = open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size)) if config.session_db else None
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
-        self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed)
+        # structured outputs: the grammar engine's tokenizer and compiled grammars (core/structured.py)
+        self.grammars = Grammars(self.tokenizer, geo.vocab_size, geo.eos_token_ids)
+        self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed,
+                                      self.grammars)
         self._live: dict[str, LiveRequest] = {}
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
@@ -278,8 +282,10 @@ class Engine:
                     self.logits_hook(live.request_id, self.pool.kv_len(live.row) - 1, logits[j])
                 except Exception as exc:
                     failed[j] = f"logits hook failed: {exc}"
+        masks, grammar_failed = self.grammars.step_masks([lv.grammar for lv in lives], failed)
+        failed.update(grammar_failed)
         picked, sampling_failed = pick_tokens(logits, greedy, [lv.request.params for lv in lives],
-                                              [lv.generator for lv in lives], skip=failed)
+                                              [lv.generator for lv in lives], skip=failed, masks=masks)
         failed.update(sampling_failed)
         outputs = [self._finish(live, FinishReason.ERROR, error=failed[j]) if j in failed
                    else self._apply_safely(live, picked[j], self.pool.kv_len(live.row))
@@ -302,7 +308,8 @@ class Engine:
         copied to the host behind it, and the step is left pending (`_step_ahead` applies it)."""
         logits, owners, greedy = out
         if not (self.overlap and greedy is not None and len(owners) == len(batch.inputs)
-                and self.logits_hook is None and all(c.decode for c in plan.chunks)):
+                and self.logits_hook is None and all(c.decode for c in plan.chunks)
+                and all(lv.grammar is None for lv in batch.lives)):  # a grammar's mask needs the token before
             return False
         try:
             self._pending = self._pend(batch.lives, batch.inputs, logits, greedy)
@@ -382,10 +389,14 @@ class Engine:
         if not finite:
             return self._finish(live, FinishReason.ERROR, error="sampling failed: non-finite logits")
         live.output_ids.append(token)
+        if live.grammar is not None and not live.grammar.accept(token):
+            return self._finish(live, FinishReason.ERROR, error=f"grammar failed: {live.grammar.error}")
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = FinishReason.STOP
         elif live.detok is not None and live.detok.add(token)[1]:
+            reason = FinishReason.STOP
+        elif live.grammar is not None and live.grammar.done:  # complete: nothing more may follow
             reason = FinishReason.STOP
         if reason is None and (len(live.output_ids) >= params.max_tokens or kv_len + 1 >= live.max_len):
             reason = FinishReason.LENGTH

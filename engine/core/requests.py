@@ -17,6 +17,7 @@ import torch
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.scheduler import SchedRequest
 from engine.core.sessions import Session
+from engine.core.structured import Grammars, RowGrammar
 from engine.core.types import EngineError, Request
 from engine.kv.rows import RowPool, RowSnapshot
 from engine.runner.sampler import make_generator
@@ -41,6 +42,7 @@ class LiveRequest:
     output_ids: list[int] = field(default_factory=list)
     # (lane, position) in the newest launched step, while its token is not applied yet
     ahead: tuple[int, int] | None = None
+    grammar: RowGrammar | None = None  # structured output: the grammar's state after output_ids
 
     @property
     def request_id(self) -> str:
@@ -50,8 +52,10 @@ class LiveRequest:
 class RequestPlanner:
     """Checks a request against the model and the pool, and plans it."""
 
-    def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int) -> None:
+    def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int,
+                 grammars: Grammars) -> None:
         self.pool = pool
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -97,6 +101,7 @@ class RequestPlanner:
             for prefill, decodes in session.forwards:
                 end = forward_ends[-1] if forward_ends else 0
                 forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None and not request.append_only else None
         feed = history[kv_len:] + list(ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         return LiveRequest(
@@ -111,6 +116,7 @@ class RequestPlanner:
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
             forward_ends=forward_ends,
             diverged=diverged,
+            grammar=grammar,
         )
 
     def _check_length(self, num_history: int, num_input: int, max_tokens: int) -> int:

@@ -43,6 +43,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; never emitted
     stop_token_ids: tuple[int, ...] = ()  # extra EOS-like ids
     ignore_eos: bool = False
+    # structured output: an llguidance grammar (JSON, as the front end makes it from a JSON schema,
+    # a regex, a choice or a Lark grammar) that every generated token must follow; the turn ends
+    # (stop) when the grammar is complete. None: free text.
+    grammar: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
@@ -57,6 +61,8 @@ class SamplingParams:
             raise EngineError("top_p must be in (0, 1]", param="top_p")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise EngineError("stop strings must be non-empty strings", param="stop")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise EngineError("grammar must be a non-empty string", param="response_format")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,9 @@ from collections.abc import Collection
 
 import torch
 
+from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams
+from engine.runner.token_mask import pick_masked
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -93,20 +95,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[SamplingParams],
-                generators: list[torch.Generator], skip: Collection[int] = ()) -> tuple[dict, dict]:
+                generators: list[torch.Generator], skip: Collection[int] = (),
+                masks: TokenMasks | None = None) -> tuple[dict, dict]:
     """A step's tokens: row j of `logits` [n, vocab] samples with `params[j]` and `generators[j]`
     (rows in `skip` are left out). `greedy`: the step's own greedy tokens [2, n], where it made
-    them. Greedy rows are one device call and sampled rows another. Returns ({j: (token, finite)},
-    {j: error}): a sampling failure fails the sampled rows only."""
-    greedy_rows = [j for j, p in enumerate(params) if p.greedy and j not in skip]
-    sampled_rows = [j for j, p in enumerate(params) if not p.greedy and j not in skip]
+    them. Greedy rows are one device call and sampled rows another; rows with a grammar mask
+    (`masks`) are picked on their own (token_mask.py), so the others keep the step's greedy
+    tokens. Returns ({j: (token, finite)}, {j: error}): a sampling failure fails the sampled rows
+    only."""
+    masked = set(masks.rows) if masks is not None else set()
+    greedy_rows = [j for j, p in enumerate(params) if p.greedy and j not in skip and j not in masked]
+    sampled_rows = [j for j, p in enumerate(params) if not p.greedy and j not in skip and j not in masked]
     picked: dict[int, tuple[int, bool]] = {}
     failed: dict[int, str] = {}
     if greedy_rows:
-        if len(greedy_rows) < len(params):
-            tokens, finite = greedy_batch(logits[greedy_rows])
+        if len(greedy_rows) + len(masked) == len(params):  # every row greedy but the masked ones
+            step_greedy = greedy if greedy is not None else greedy_tokens(logits)
+            tokens, finite = greedy_host(step_greedy[:, greedy_rows] if masked else step_greedy)
         else:
-            tokens, finite = greedy_host(greedy) if greedy is not None else greedy_batch(logits)
+            tokens, finite = greedy_batch(logits[greedy_rows])
         picked = {j: (t, ok) for j, t, ok in zip(greedy_rows, tokens, finite)}
     if sampled_rows:
         try:
@@ -115,4 +122,8 @@ def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[
             picked.update({j: (t, ok) for j, t, ok in zip(sampled_rows, tokens, finite)})
         except Exception as exc:
             failed = {j: f"sampling failed: {exc}" for j in sampled_rows}
+    if masks is not None:
+        masked_picked, masked_failed = pick_masked(logits, masks, params, generators)
+        picked.update(masked_picked)
+        failed.update(masked_failed)
     return picked, failed

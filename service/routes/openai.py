@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
-from service import chat, sse
+from service import chat, sse, structured, tools
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
@@ -48,11 +48,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     tok = st.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
-    msgs = chat.chat_messages(body.messages)
-    ids = await render_chat(st, msgs, 0, [], generation_prompt=True)
-    params = sampling_params(body, st.end_of_turn_ids)
+    setup = tools.setup_of(body)
+    grammar = await structured.grammar_of(st, body)
+    if setup is not None and setup.forced and grammar is not None:
+        raise APIError(400, "tool_choice: a required or named tool call cannot also follow a response_format",
+                       "invalid_request", "tool_choice")
+    if setup is not None or tools.uses_tools(body.messages):
+        msgs, fns = tools.template_messages(tok, body.messages, setup)
+        ids = await render_chat(st, msgs, 0, [], generation_prompt=True, tools=fns)
+    else:
+        ids = await render_chat(st, chat.chat_messages(body.messages), 0, [], generation_prompt=True)
+    if setup is not None and grammar is None:
+        grammar = await structured.checked(st, setup.grammar(), "tools")
+    elif setup is not None:  # auto beside a response_format: the reply follows the format, no call
+        setup = None
+    params = sampling_params(body, st.end_of_turn_ids, grammar)
     turn = await start_turn(st, ids, params, _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turn, request, chat=True, model=st.model_name)
+    return await _respond(body, turn, request, chat=True, model=st.model_name, calls=setup)
 
 
 @router.post("/completions", responses=STREAM_RESPONSES)
@@ -72,7 +84,8 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     echo = ""  # `echo`: the reply's text starts with the prompt's
     if body.echo:
         echo = p if isinstance(p, str) else (st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else "")
-    turn = await start_turn(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
+    params = sampling_params(body, grammar=await structured.grammar_of(st, body))
+    turn = await start_turn(st, ids, params, _session_id(request, body), owner, match_prefix=True)
     return await _respond(body, turn, request, chat=False, model=st.model_name, echo=echo)
 
 
@@ -91,15 +104,23 @@ def _finish(reason: FinishReason | None) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
-async def _respond(body, turn, request: Request, chat: bool, model: str, echo: str = ""):
+async def _respond(body, turn, request: Request, chat: bool, model: str, echo: str = "",
+                   calls: tools.ToolSetup | None = None):
+    """The reply, whole or streamed. With `calls` (a chat request that may call tools), a reply
+    that is a call answers `tool_calls` (finish reason `tool_calls`) instead of content."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     headers = {"X-Request-Id": turn.request_id}
 
     if not body.stream:
         text, ids, last = await collect(turn, request)
-        choice = {"index": 0, "finish_reason": _finish(last.finish_reason if last else None), "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": echo + text})
+        finish = _finish(last.finish_reason if last else None)
+        message = {"role": "assistant", "content": text}
+        call = tools.parse_call(text, calls) if calls is not None else None
+        if call is not None:
+            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice.update({"message": message} if chat else {"text": echo + text})
         if body.return_token_ids:
             choice["token_ids"] = ids
         obj = "chat.completion" if chat else "text_completion"
@@ -109,11 +130,12 @@ async def _respond(body, turn, request: Request, chat: bool, model: str, echo: s
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None) -> bytes:
+    def chunk(delta_text: str | None, finish: str | None, first: bool, token_ids: list[int] | None = None,
+              delta: dict | None = None) -> bytes:
         if chat:
-            if first:
+            if delta is None and first:
                 delta = {"role": "assistant", "content": delta_text or ""}
-            else:
+            elif delta is None:
                 delta = {"content": delta_text} if delta_text else {}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
@@ -122,16 +144,35 @@ async def _respond(body, turn, request: Request, chat: bool, model: str, echo: s
             choice["token_ids"] = token_ids or []
         return sse.event({**head, "choices": [choice]})
 
+    def call_chunks(call: dict, first: bool) -> list[bytes]:
+        """A tool call in OpenAI's delta format: its id, type and name, then its arguments."""
+        opening = {"index": 0, "id": call["id"], "type": "function",
+                   "function": {"name": call["function"]["name"], "arguments": ""}}
+        lead = {"role": "assistant", "content": None} if first else {}
+        arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+        return [chunk(None, None, first, delta={**lead, "tool_calls": [opening]}),
+                chunk(None, None, False, delta={"tool_calls": [arguments]}),
+                chunk(None, "tool_calls", False, delta={})]
+
     async def events():
         first, last = True, None
+        held = tools.CallStream(calls) if calls is not None else None
         async for out in turn.chunks():
             last = out
             if out.finish_reason == FinishReason.ERROR:
                 err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
                 yield sse.event({"error": err})
                 break
-            if out.text or (out.token_ids and (first or body.return_token_ids)):
-                yield chunk(echo + out.text if first else out.text, None, first, out.token_ids)
+            text = held.feed(out.text) if held is not None else out.text
+            if out.finished and held is not None:
+                rest, call = held.end()
+                if call is not None:
+                    for c in call_chunks(call, first):
+                        yield c
+                    continue
+                text += rest
+            if text or (out.token_ids and (first or body.return_token_ids) and held is None):
+                yield chunk(echo + text if first else text, None, first, out.token_ids)
                 first = False
             if out.finished:
                 yield chunk(None, _finish(out.finish_reason), first)

@@ -12,6 +12,7 @@ from service import chat, sse
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
+from service import structured
 from service.turns import (check_supported, collect, engine_call, render_chat, require_ready, sampling_params,
                            start_turn, tokenize)
 
@@ -75,7 +76,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input or messages", "invalid_request", "input")
     check_supported(body)
-    params = sampling_params(body, st.end_of_turn_ids)
+    params = sampling_params(body, st.end_of_turn_ids, await structured.grammar_of(st, body))
     append = params.max_tokens == 0
     history_len, ids = await _turn_input(st, session_id, owner, body, append)
     if not ids:
