@@ -101,7 +101,9 @@ class RequestPlanner:
             for prefill, decodes in session.forwards:
                 end = forward_ends[-1] if forward_ends else 0
                 forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
-        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None and not request.append_only else None
+        grammar = None
+        if params.grammar is not None and not request.append_only:
+            grammar = self.grammars.matcher(params.grammar, params.stop_token_ids)
         feed = history[kv_len:] + list(ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         return LiveRequest(

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.core.types import EngineError
@@ -36,20 +37,29 @@ class TokenMasks(NamedTuple):
 
 
 class RowGrammar:
-    """One request's matcher: the grammar's state after the tokens it has accepted."""
+    """One request's matcher: the grammar's state after the tokens it has accepted. The
+    request's own stop tokens (`SamplingParams.stop_token_ids`, e.g. a chat template's end of
+    turn) are allowed wherever the grammar allows its end-of-sequence token, and stand for it."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "eos", "stops")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, eos: int, stops: tuple[int, ...]) -> None:
         self.matcher = matcher
+        self.eos = eos  # the grammar's end-of-sequence token
+        self.stops = stops  # the request's stop tokens
 
     def fill_mask(self, row: torch.Tensor) -> None:
         """The tokens allowed next, as bits into `row` (int32, contiguous, on the host)."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.stops:
+            bits = row.numpy().view(np.uint32)
+            if bits[self.eos >> 5] >> (self.eos & 31) & 1:
+                for t in self.stops:
+                    bits[t >> 5] |= np.uint32(1 << (t & 31))
 
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False when the grammar does not allow it."""
-        return self.matcher.consume_token(token)
+        return self.matcher.consume_token(self.eos if token in self.stops else token)
 
     @property
     def done(self) -> bool:
@@ -92,9 +102,10 @@ class Grammars:
     def mask_width(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def matcher(self, grammar: str) -> RowGrammar:
-        """A fresh matcher of `grammar`, compiled once and then copied. Raises EngineError when the
-        grammar is invalid or the model's tokenizer cannot take one."""
+    def matcher(self, grammar: str, stop_token_ids: tuple[int, ...] = ()) -> RowGrammar:
+        """A fresh matcher of `grammar` for a request with `stop_token_ids`, compiled once and then
+        copied. Raises EngineError when the grammar is invalid or the model's tokenizer cannot
+        take one."""
         from llguidance import LLMatcher
 
         proto = self._compiled.get(grammar)
@@ -110,7 +121,8 @@ class Grammars:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        return RowGrammar(proto.deep_copy())
+        eos = self._lltok.eos_token
+        return RowGrammar(proto.deep_copy(), eos, tuple(t for t in stop_token_ids if t != eos and 0 <= t < self.vocab_size))
 
     def step_masks(self, grammars: list[RowGrammar | None], skip) -> tuple[TokenMasks | None, dict[int, str]]:
         """The masks of a step's rows that have a grammar (`grammars[j]`, rows in `skip` left
