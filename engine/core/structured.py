@@ -2,9 +2,11 @@
 
 A request that asks for structured output carries a grammar (`SamplingParams.grammar`: an
 llguidance grammar, the JSON the front end made from a JSON schema, a regex, a choice or a Lark
-grammar). The engine owns one `Grammars`: the grammar engine's view of the model's tokenizer
-(built once, on a thread of its own from the engine's start, since it takes seconds for a 262k
-vocabulary) and an LRU of compiled grammars keyed by their text. Each request gets its own
+grammar). The engine owns one `Grammars`: the grammar engine's view of the model's tokenizer and
+an LRU of compiled grammars keyed by their text. That tokenizer takes seconds to build for a 262k
+vocabulary and holds the GIL while it builds: the engine process builds it on a thread while it
+warms up (torch's kernels let go of the GIL) and is ready once both are done (`start_building`,
+`wait_built`); an engine made in-process builds it on its first grammar request. Each request gets its own
 `RowGrammar`, a copy of the compiled matcher (microseconds).
 
 Per step, `step_masks` fills one bitmask row (1 bit per token) for each row with a grammar,
@@ -78,15 +80,26 @@ class Grammars:
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._tokenizer = tokenizer
+        self._eos = list(eos_token_ids)
         self._lltok = None
         self._build_error: str | None = None
         self._built = threading.Event()
+        self._building: threading.Thread | None = None
         if tokenizer is None:
             self._build_error = "structured outputs need the model's tokenizer; this model has none"
             self._built.set()
-        else:
-            threading.Thread(target=self._build, args=(tokenizer, list(eos_token_ids)), daemon=True,
-                             name="s5serve-grammar-tokenizer").start()
+
+    def start_building(self) -> None:
+        """Build the grammar tokenizer on a thread of its own, if it is not built or building."""
+        if self._building is None and not self._built.is_set():
+            self._building = threading.Thread(target=self._build, args=(self._tokenizer, self._eos), daemon=True,
+                                              name="s5serve-grammar-tokenizer")
+            self._building.start()
+
+    def wait_built(self) -> None:
+        self.start_building()
+        self._built.wait()
 
     def _build(self, tokenizer, eos: list[int]) -> None:
         try:
@@ -110,7 +123,7 @@ class Grammars:
 
         proto = self._compiled.get(grammar)
         if proto is None:
-            self._built.wait()
+            self.wait_built()
             if self._lltok is None:
                 raise EngineError(self._build_error or "no grammar tokenizer", param=GRAMMAR_PARAM)
             proto = LLMatcher(self._lltok, grammar, log_level=0)

@@ -89,9 +89,9 @@ class City(BaseModel):
     population: int = Field(ge=0, le=100_000_000)
 
 
-def _llm(server, **kw) -> ChatOpenAI:
+def _llm(server, max_tokens=40) -> ChatOpenAI:
     return ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=server.state.model_name,
-                      temperature=0, max_tokens=40, max_retries=0, **kw)
+                      temperature=0, max_tokens=max_tokens, max_retries=0)
 
 
 def test_langchain_structured_output(server):
@@ -122,7 +122,7 @@ def test_langchain_tool_round_trip(server):
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
 
     result = get_weather.invoke(call)  # a ToolMessage answering the call's id
-    final = _llm(server).bind_tools([get_weather], tool_choice="none").invoke([question, ai, result])
+    final = _llm(server, max_tokens=12).bind_tools([get_weather], tool_choice="none").invoke([question, ai, result])
     assert isinstance(final.content, str) and final.content and not final.tool_calls
     tok = server.state.tokenizer
     expected = tok.apply_chat_template(
