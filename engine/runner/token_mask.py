@@ -4,24 +4,21 @@ device; rows without a grammar never pass through here."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [r, vocab] with every token whose bit in `bitmask` [r, ceil(vocab/32)] int32 is
-    0 set to -inf (a new tensor, float32)."""
-    dev = logits.device
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = bitmask.to(dev, non_blocking=True)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, : logits.shape[1]]
-    return logits.float().masked_fill(~allowed, float("-inf"))
+    """`logits` [r, vocab] with every token whose bit in `bitmask` [r, ceil(vocab/32)] int32 (on
+    the host) is 0 set to -inf (a new tensor, float32). The bits are unpacked on the host (one
+    byte per token) and the mask copied to the logits' device."""
+    vocab = logits.shape[1]
+    banned = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned ^= 1
+    banned = torch.from_numpy(banned).view(torch.bool).to(logits.device, non_blocking=True)
+    return logits.float().masked_fill(banned, float("-inf"))
 
 
 def pick_masked(logits: torch.Tensor, masks: TokenMasks, params: list[SamplingParams],
