@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from datetime import date
@@ -135,6 +136,7 @@ def main() -> None:
               "n": a.n, "steps": a.steps, "sampled": a.sampled, "schema": SCHEMA,
               "wall_ratio_median": wall_ratio, "cpu_ratio_median": cpu_ratio, "grammar_row_best_ms_per_step": row_ms,
               "free_step_cpu_ms_median": step_cpu_ms, "pairs": pairs, "compile": compile,
+              "load_average_at_end": os.getloadavg(),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "commit": git_commit(), "engine_source_sha256": source_digest()}}
     out = Path(a.out) / f"grammar-row-cpu-embedded-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
