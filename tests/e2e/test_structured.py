@@ -131,3 +131,20 @@ def test_langchain_tool_round_trip(server):
          {"role": "user", "content": f"Result of get_weather (call {call['id']}): {result.content}"}],
         add_generation_prompt=True, tokenize=False)
     assert final.usage_metadata["input_tokens"] == len(tok(expected, add_special_tokens=False)["input_ids"])
+
+
+def test_session_turn_follows_its_grammar(server):
+    """The session route takes structured outputs too: the turn's reply is one of the choices and
+    the session holds it (the next turn sees it)."""
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    try:
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}/generate", timeout=120,
+                       json={"messages": [{"role": "user", "content": "Pick a colour."}], "stream": False,
+                             "max_tokens": 8, "temperature": 0.9, "seed": 3, "guided_choice": ["red", "green", "blue"]})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["text"] in ("red", "green", "blue") and reply["finish_reason"] == "stop"
+        info = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+        assert info["history_tokens"] == reply["prompt_tokens"] + reply["completion_tokens"]
+    finally:
+        httpx.delete(f"{server.url}/v1/sessions/{sid}")
