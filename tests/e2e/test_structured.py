@@ -148,3 +148,53 @@ def test_session_turn_follows_its_grammar(server):
         assert info["history_tokens"] == reply["prompt_tokens"] + reply["completion_tokens"]
     finally:
         httpx.delete(f"{server.url}/v1/sessions/{sid}")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_tool_calls_with_n_and_logprobs_whole_and_streamed(server):
+    """A required tool call with n = 2 and logprobs: each choice is a call with arguments valid
+    for the function, and its logprobs cover every token it generated; streamed, each choice
+    brings the same call and the same logprobs (held with the call's text, sent with the call)."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
+            "tool_choice": "required", "n": 2, "temperature": 0.9, "seed": 4, "max_tokens": 40,
+            "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    calls, lps = {}, {}
+    for c in whole["choices"]:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+        calls[c["index"]] = call["function"]["arguments"]
+        lps[c["index"]] = [(e["token"], e["logprob"]) for e in c["logprobs"]["content"]]
+        assert lps[c["index"]] and all(lp <= 0 for _, lp in lps[c["index"]])
+        assert all(len(e["top_logprobs"]) == 2 for e in c["logprobs"]["content"])
+    assert whole["usage"]["completion_tokens"] == sum(len(v) for v in lps.values())
+
+    streamed_args, streamed_lps, finishes = {0: "", 1: ""}, {0: [], 1: []}, {}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                i = c["index"]
+                assert c["delta"].get("content") in (None, "")  # a call: no text goes out
+                for tc in c["delta"].get("tool_calls") or []:
+                    streamed_args[i] += tc["function"].get("arguments", "")
+                streamed_lps[i] += [(e["token"], e["logprob"]) for e in (c["logprobs"] or {}).get("content", [])]
+                if c["finish_reason"]:
+                    finishes[i] = c["finish_reason"]
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert streamed_args == calls
+    for i in (0, 1):
+        assert [t for t, _ in streamed_lps[i]] == [t for t, _ in lps[i]]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(streamed_lps[i], lps[i])) < 1e-4
+    server.wait_idle()
+    server.check_invariants()
