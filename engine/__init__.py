@@ -16,6 +16,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       config.py        EngineConfig (frozen): model, device, dtype, KV policy, limits
       types.py         plain data shared across the engine: SamplingParams, Request, outputs, errors
       detokenizer.py   incremental UTF-8-safe detokenization and stop strings
+      structured.py    grammars (llguidance): compiled-grammar LRU, a matcher per request, step masks
     kv/              every K/V byte
       policy.py        which positions each layer keeps between forwards (pure functions)
       rows.py          RowPool: ring slots, paged blocks, rows, snapshots, swaps, invariants
@@ -24,6 +25,7 @@ Map of the package (one owner per resource, data flows top to bottom):
       attention.py     StepAttention: ragged attention of one step's tokens over the pool
       decode_graph.py  decode-only steps as fixed-size batches, replayed from CUDA graphs on CUDA
       sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
+      token_mask.py    grammar masks applied to the rows that have one, and their picks
     model/           weights and the forwards that run them
       loader.py        a model spec ("embedded", a path, an id, "tiny-random") to weights
       prepare.py       every change the engine makes to a loaded model, and the forward it runs

@@ -51,7 +51,9 @@ def run_engine(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: in
     encode = ipc.encoder().encode
     try:
         engine = Engine(config)
+        engine.grammars.start_building()  # alongside the warm-up (core/structured.py)
         _warm_up(engine)
+        engine.grammars.wait_built()
     except Exception as exc:
         log.exception("the engine failed to start")
         outbox.send(encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))

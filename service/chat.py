@@ -43,9 +43,10 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
 
 
-def render(tok, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def render(tok, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    kw = {"tools": tools} if tools else {}
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kw)
     except Exception as exc:  # template errors are the caller's (e.g. roles out of order)
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
 
@@ -81,11 +82,12 @@ def end_of_turn_ids(tok) -> tuple[int, ...]:
 
 
 def message_ids(tok, messages: list[dict[str, str]], history_len: int, tail: list[int],
-                generation_prompt: bool) -> list[int]:
+                generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """Chat messages: the increment the session's history needs to hold the conversation so far
-    plus `messages` (and the generation prompt, unless the turn only appends)."""
+    plus `messages` (and the generation prompt, unless the turn only appends). `tools` (a whole
+    conversation only): for a template that takes them."""
     if history_len == 0:
-        return _ids(tok, render(tok, messages, generation_prompt))
+        return _ids(tok, render(tok, messages, generation_prompt, tools))
     # the stand-in ends with the role before the new messages' first one (alternating templates)
     stand_in: list[dict[str, Any]] = [{"role": "user", "content": _STAND_IN[0]}]
     if messages[0]["role"] != "assistant":

@@ -20,21 +20,15 @@ _NUM = dict(allow_inf_nan=False)
 
 # Parameters of the OpenAI API (and vLLM's extras) that this server does not implement yet, each
 # with the values that ask for nothing (and so are accepted). A request that asks for one gets 400
-# `unsupported_parameter` instead of an answer that silently ignores it.
+# `unsupported_parameter` instead of an answer that silently ignores it. (Structured outputs and
+# tools are implemented: service/structured.py, service/tools.py; so are logprobs, penalties,
+# logit_bias, min_tokens and n: service/turns.py `sampling_params`.)
 UNSUPPORTED: dict[str, Any] = {
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in ("none", "auto"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in ("none", "auto"),
     "prompt_logprobs": lambda v: not v,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: not v,
-    "guided_json": lambda v: not v,
-    "guided_regex": lambda v: not v,
-    "guided_choice": lambda v: not v,
-    "guided_grammar": lambda v: not v,
-    "structured_outputs": lambda v: not v,
 }
 
 
@@ -138,6 +132,14 @@ class CompletionRequest(_Body):
         return self.logprobs
 
 
+# parameters the OpenAI routes implement and the session route does not (tools: a session turn
+# renders only the messages it adds)
+SESSION_UNSUPPORTED: dict[str, Any] = {
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in ("none", "auto"),
+}
+
+
 class SessionGenerateRequest(_Body):
     # text (with BOS on the session's first turn) or token ids (appended as they are)
     input: str | list[TokenId] | None = None
@@ -151,6 +153,13 @@ class SessionGenerateRequest(_Body):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def unsupported(self) -> str | None:
+        for name, value in (self.model_extra or {}).items():
+            accepts = SESSION_UNSUPPORTED.get(name)
+            if accepts is not None and value is not None and not accepts(value):
+                return name
+        return super().unsupported()
 
 
 # ---- documented responses (the OpenAPI schema says what every route can answer) ----------------

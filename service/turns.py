@@ -95,16 +95,16 @@ async def tokenize(state, text: str, **kwargs) -> list[int]:
 
 
 async def render_chat(state, messages: list[dict[str, str]], history_len: int, tail: list[int],
-                      generation_prompt: bool) -> list[int]:
+                      generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """`chat.message_ids` (the template's tokens for what `messages` add to a conversation), off
-    the event loop for long conversations."""
-    args = (state.tokenizer, messages, history_len, tail, generation_prompt)
-    if sum(len(m["content"]) for m in messages) > OFF_LOOP_CHARS:
+    the event loop for long conversations. `tools`: for a template that takes them."""
+    args = (state.tokenizer, messages, history_len, tail, generation_prompt, tools)
+    if sum(len(m["content"]) for m in messages) + (OFF_LOOP_CHARS if tools else 0) > OFF_LOOP_CHARS:
         return await state.tokenizer_pool.run(chat.message_ids, *args)
     return chat.message_ids(*args)
 
 
-def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | None = None) -> SamplingParams:
     given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
     max_tokens = given[0] if given else 256  # 0 (session route only): an append
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
@@ -124,6 +124,7 @@ def sampling_params(body, stop_token_ids: tuple[int, ...] = ()) -> SamplingParam
         logit_bias=tuple((int(t), float(b)) for t, b in (body.logit_bias or {}).items()),
         min_tokens=body.min_tokens or 0,
         n=body.n,
+        grammar=grammar,
     )
 
 

@@ -38,6 +38,7 @@ from engine.core.responses import ResponseStore
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
+from engine.core.structured import Grammars
 from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs
 from engine.kv.policy import layer_layouts
 from engine.kv.windows import budget_windows
@@ -106,8 +107,10 @@ class Engine:
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         # stored responses of /v1/responses, in the same store (its verbs: ipc.CALLS)
         self.responses = ResponseStore(db.responses() if db is not None else None, self.stats)
+        # structured outputs: the grammar engine's tokenizer and compiled grammars (core/structured.py)
+        self.grammars = Grammars(self.tokenizer, geo.vocab_size, geo.eos_token_ids)
         self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed,
-                                      self.eos_token_ids)
+                                      self.grammars, self.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
@@ -308,9 +311,11 @@ class Engine:
                     self.logits_hook(live.request_id, self.pool.kv_len(live.row) - 1, logits[j])
                 except Exception as exc:
                     failed[j] = f"logits hook failed: {exc}"
+        masks, grammar_failed = self.grammars.step_masks([lv.grammar for lv in lives], failed)
+        failed.update(grammar_failed)
         picked, sampling_failed, logprobs = pick_tokens(
             logits, greedy, [lv.request.params for lv in lives], [lv.generator for lv in lives],
-            [lv.logits_state for lv in lives], skip=failed)
+            [lv.logits_state for lv in lives], skip=failed, masks=masks)
         failed.update(sampling_failed)
         outputs = [self._finish(live, FinishReason.ERROR, error=failed[j]) if j in failed
                    else self._apply_safely(live, picked[j], self.pool.kv_len(live.row), logprobs.get(j))
@@ -351,7 +356,8 @@ class Engine:
         copied to the host behind it, and the step is left pending (`_step_ahead` applies it)."""
         logits, owners, greedy = out
         if not (self.overlap and greedy is not None and len(owners) == len(batch.inputs)
-                and self.logits_hook is None and all(c.decode for c in plan.chunks)):
+                and self.logits_hook is None and all(c.decode for c in plan.chunks)
+                and all(lv.grammar is None for lv in batch.lives)):  # a grammar's mask needs the token before
             return False
         try:
             self._pending = self._pend(batch.lives, batch.inputs, logits, greedy)
@@ -429,18 +435,13 @@ class Engine:
                logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """The token sampled after the step in which the row reached `kv_len` positions (and its
         logprobs, where the request wants them)."""
-        params = live.request.params
         token, finite = picked
         if not finite:
             return self._finish(live, FinishReason.ERROR, error="sampling failed: non-finite logits")
         live.output_ids.append(token)
-        reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif live.detok is not None and live.detok.add(token)[1]:
-            reason = FinishReason.STOP
-        if reason is None and (len(live.output_ids) >= params.max_tokens or kv_len + 1 >= live.max_len):
-            reason = FinishReason.LENGTH
+        if live.grammar is not None and not live.grammar.accept(token):
+            return self._finish(live, FinishReason.ERROR, error=f"grammar failed: {live.grammar.error}")
+        reason = live.finish_reason(token, kv_len, self.eos_token_ids)
         lps = [logprobs] if logprobs is not None else None
         if reason is not None:
             return self._finish(live, reason, last_token=token, logprobs=lps)

@@ -17,7 +17,8 @@ import torch
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.scheduler import SchedRequest
 from engine.core.sessions import Session
-from engine.core.types import EngineError, Request, fork_id
+from engine.core.structured import Grammars, RowGrammar
+from engine.core.types import EngineError, FinishReason, Request, fork_id
 from engine.kv.rows import RowPool, RowSnapshot
 from engine.runner.logits_process import RowLogitsState
 from engine.runner.sampler import make_generator
@@ -44,6 +45,7 @@ class LiveRequest:
     ahead: tuple[int, int] | None = None
     # penalties, biases, min_tokens: what the sampler keeps for the row on the device
     logits_state: RowLogitsState | None = None
+    grammar: RowGrammar | None = None  # structured output: the grammar's state after output_ids
     # n > 1: the empty rows (allocated and reserved at admission) its row is forked into once
     # the prompt is prefilled; completion i then runs as a request of its own, `fork_id(id, i)`
     fork_rows: list[int] = field(default_factory=list)
@@ -52,13 +54,28 @@ class LiveRequest:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def finish_reason(self, token: int, kv_len: int, eos_token_ids: set[int]) -> FinishReason | None:
+        """Why the request ends with `token` (just appended to output_ids, and accepted by its
+        grammar), sampled once its row reached `kv_len` positions; None: it goes on."""
+        params = self.request.params
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if self.detok is not None and self.detok.add(token)[1]:
+            return FinishReason.STOP
+        if self.grammar is not None and self.grammar.done:  # complete: nothing more may follow
+            return FinishReason.STOP
+        if len(self.output_ids) >= params.max_tokens or kv_len + 1 >= self.max_len:
+            return FinishReason.LENGTH
+        return None
+
 
 class RequestPlanner:
     """Checks a request against the model and the pool, and plans it."""
 
     def __init__(self, pool: RowPool, vocab_size: int, max_model_len: int, tokenizer, seed: int,
-                 eos_token_ids: set[int] = frozenset()) -> None:
+                 grammars: Grammars, eos_token_ids: set[int] = frozenset()) -> None:
         self.pool = pool
+        self.grammars = grammars
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -113,6 +130,9 @@ class RequestPlanner:
             for prefill, decodes in session.forwards:
                 end = forward_ends[-1] if forward_ends else 0
                 forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
+        grammar = None
+        if params.grammar is not None and not request.append_only:
+            grammar = self.grammars.matcher(params.grammar, params.stop_token_ids)
         feed = history[kv_len:] + list(ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         return LiveRequest(
@@ -130,12 +150,14 @@ class RequestPlanner:
             # repetition_penalty counts the prompt as sent (a session turn: the turn's input)
             logits_state=RowLogitsState(params, prompt, vocab, self.pool.device, self.eos_token_ids)
             if params.processed else None,
+            grammar=grammar,
         )
 
     def fork(self, parent: LiveRequest, index: int, row: int) -> LiveRequest:
         """Completion `index` of `parent` (n > 1), on `row`, a copy of the parent's row: it has
         the parent's prompt and state, its own generator (the parent's seed + index, when the
-        request has a seed) and its own penalty state, and decodes from the next step."""
+        request has a seed), its own penalty state and its own copy of the grammar's matcher, and
+        decodes from the next step."""
         params = parent.request.params
         seed = params.seed + index if params.seed is not None else next(self._seeds)
         request = replace(parent.request, request_id=fork_id(parent.request_id, index),
@@ -153,6 +175,7 @@ class RequestPlanner:
             forward_start=parent.forward_start,
             row_is_new=True,
             logits_state=parent.logits_state.fork() if parent.logits_state is not None else None,
+            grammar=parent.grammar.fork() if parent.grammar is not None else None,
         )
 
     def _check_length(self, num_history: int, num_input: int, max_tokens: int) -> int:

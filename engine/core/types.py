@@ -61,7 +61,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra EOS-like ids
     ignore_eos: bool = False
     # None: no logprobs; k in 0..MAX_LOGPROBS: each token's logprob and the k most likely
-    # tokens' (from the processed logits: see logits_process.py)
+    # tokens' (from the processed logits, after a grammar's mask: see logits_process.py)
     logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token generated so far
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
@@ -69,6 +69,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens are generated
     n: int = 1  # completions of one prompt: prefilled once, its row forked (stateless only)
+    # structured output: an llguidance grammar (JSON, as the front end makes it from a JSON schema,
+    # a regex, a choice or a Lark grammar) that every generated token must follow; the turn ends
+    # (stop) when the grammar is complete. None: free text.
+    grammar: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
@@ -106,6 +110,8 @@ class SamplingParams:
             raise EngineError("min_tokens must not exceed max_tokens", param="min_tokens")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise EngineError(f"n must be an integer in [1, {MAX_N}]", param="n")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise EngineError("grammar must be a non-empty string", param="response_format")
 
     @cached_property
     def processed(self) -> bool:
@@ -116,9 +122,9 @@ class SamplingParams:
 
     @cached_property
     def plain(self) -> bool:
-        """Greedy with nothing else asked: the row takes the step's precomputed greedy token
-        (asked once per row per step: cached)."""
-        return self.greedy and self.logprobs is None and not self.processed
+        """Greedy with nothing else asked (no logprobs, processing or grammar): the row takes the
+        step's precomputed greedy token (asked once per row per step: cached)."""
+        return self.greedy and self.logprobs is None and not self.processed and self.grammar is None
 
     @property
     def greedy(self) -> bool:

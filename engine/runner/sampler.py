@@ -1,5 +1,12 @@
 """Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, seeds;
-rows with penalties, biases or logprobs go through logits_process.py first.
+rows with penalties, biases or logprobs go through logits_process.py first, and rows with a
+grammar through its mask (token_mask.py). A row's logits pass, in this order:
+
+    penalties, logit_bias, min_tokens   logits_process.py `process`   (rows that ask for them)
+    the grammar's mask                  token_mask.py `apply_bitmask` (rows with a grammar)
+    greedy argmax, or temperature, top-k, top-p and a seeded draw
+and a row's logprobs are the log-softmax of the logits its token was picked from: processed and
+masked, before temperature, top-k and top-p.
 
 Sampled rows draw by inverse CDF: each row's uniform number comes from its own seeded generator
 (on the host, one float per row), and everything else runs on the device in a few batched ops,
@@ -14,8 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, TokenLogprobs
 from engine.runner.logits_process import RowLogitsState, logprobs_pack, logprobs_unpack, process
+from engine.runner.token_mask import apply_bitmask
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -105,16 +114,20 @@ class Picks(NamedTuple):
 
 
 def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-                 states: list[RowLogitsState | None]) -> Picks:
-    """Row i of `logits` [m, V] processed by `states[i]` (where params ask), then picked greedily
-    or sampled, and its logprobs taken; all on the device, no host sync. Each processed row's
-    state records its token."""
+                 states: list[RowLogitsState | None], masks: TokenMasks | None = None) -> Picks:
+    """Row i of `logits` [m, V] processed by `states[i]` (where params ask), then masked by its
+    grammar (where `masks` has a row for it: `masks.rows` index the m rows), then picked greedily
+    or sampled, and its logprobs taken from the processed and masked logits; on the device, with
+    no host sync but the copy of the masks there. Each processed row's state records its token."""
     dev = logits.device
     x = logits
     processed = [i for i, p in enumerate(params) if p.processed]
     if processed:
         rows = torch.tensor(processed, dtype=torch.long, device=dev)
         x = logits.float().index_copy(0, rows, process(logits.index_select(0, rows), [states[i] for i in processed]))
+    if masks is not None:
+        rows = torch.tensor(masks.rows, dtype=torch.long, device=dev)
+        x = x.float().index_copy(0, rows, apply_bitmask(x.index_select(0, rows), masks.bitmask))
     tokens = greedy_tokens(x)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -134,29 +147,36 @@ def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators:
 
 def pick_tokens(logits: torch.Tensor, greedy: torch.Tensor | None, params: list[SamplingParams],
                 generators: list[torch.Generator], states: list[RowLogitsState | None] | None = None,
-                skip: Collection[int] = ()) -> tuple[dict, dict, dict]:
+                skip: Collection[int] = (), masks: TokenMasks | None = None) -> tuple[dict, dict, dict]:
     """A step's tokens: row j of `logits` [n, vocab] samples with `params[j]`, `generators[j]`
-    and `states[j]` (rows in `skip` are left out). `greedy`: the step's own greedy tokens [2, n],
-    where it made them. Plain greedy rows are one device call, and the rows that ask for more
-    (sampling, penalties, logprobs: `asking_picks`) another. Returns ({j: (token, finite)},
-    {j: error}, {j: TokenLogprobs}): a failure there fails those rows only."""
+    and `states[j]`, under its grammar's mask where `masks` has one for it (rows in `skip` are
+    left out). `greedy`: the step's own greedy tokens [2, n], where it made them. Plain greedy
+    rows take theirs (or one device call), and the rows that ask for more (sampling, penalties,
+    logprobs, a grammar: `asking_picks`) another. Returns ({j: (token, finite)}, {j: error},
+    {j: TokenLogprobs}): a failure there fails those rows only."""
+    masked = set(masks.rows) if masks is not None else ()
     rows = [j for j in range(len(params)) if j not in skip]
-    plain_rows = [j for j in rows if params[j].plain]
-    asking = [j for j in rows if not params[j].plain]
+    plain_rows = [j for j in rows if params[j].plain and j not in masked]
+    asking = [j for j in rows if not params[j].plain or j in masked]
     picked: dict[int, tuple[int, bool]] = {}
     failed: dict[int, str] = {}
     logprobs: dict[int, TokenLogprobs] = {}
     if plain_rows:
-        if len(plain_rows) < len(params):
-            tokens, finite = greedy_batch(logits[plain_rows])
-        else:
+        if len(plain_rows) == len(params):
             tokens, finite = greedy_host(greedy) if greedy is not None else greedy_batch(logits)
+        elif greedy is not None:  # the step's greedy tokens of these rows: no argmax again
+            tokens, finite = greedy_host(greedy[:, plain_rows])
+        else:
+            tokens, finite = greedy_batch(logits[plain_rows])
         picked = {j: (t, ok) for j, t, ok in zip(plain_rows, tokens, finite)}
     if asking:
         states = states or [None] * len(params)
+        if masks is not None:  # the masks' rows, as indices into `asking` (both ascending)
+            at = {j: i for i, j in enumerate(asking)}
+            masks = TokenMasks([at[j] for j in masks.rows], masks.bitmask)
         try:
             picks = asking_picks(logits[asking], [params[j] for j in asking], [generators[j] for j in asking],
-                                 [states[j] for j in asking])
+                                 [states[j] for j in asking], masks)
             tokens, finite = greedy_host(picks.tokens)
             if picks.logprobs is not None:
                 lps = logprobs_unpack(picks.logprobs.tolist(), picks.logprob_ks)

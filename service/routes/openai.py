@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
-from service import chat, sse
+from service import chat, sse, structured, tools
 from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
@@ -51,11 +51,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     tok = st.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
-    msgs = chat.chat_messages(body.messages)
-    ids = await render_chat(st, msgs, 0, [], generation_prompt=True)
-    params = sampling_params(body, st.end_of_turn_ids)
+    setup = tools.setup_of(body)
+    grammar = await structured.grammar_of(st, body)
+    if setup is not None and setup.forced and grammar is not None:
+        raise APIError(400, "tool_choice: a required or named tool call cannot also follow a response_format",
+                       "invalid_request", "tool_choice")
+    if setup is not None or tools.uses_tools(body.messages):
+        msgs, fns = tools.template_messages(tok, body.messages, setup)
+        ids = await render_chat(st, msgs, 0, [], generation_prompt=True, tools=fns)
+    else:
+        ids = await render_chat(st, chat.chat_messages(body.messages), 0, [], generation_prompt=True)
+    if setup is not None and grammar is None:
+        grammar = await structured.checked(st, setup.grammar(), "tools")
+    elif setup is not None:  # auto beside a response_format: the reply follows the format, no call
+        setup = None
+    params = sampling_params(body, st.end_of_turn_ids, grammar)
     turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turns, request, chat=True, model=st.model_name, texts=st.token_texts)
+    return await _respond(body, turns, request, chat=True, model=st.model_name, texts=st.token_texts, calls=setup)
 
 
 @router.post("/completions", responses=STREAM_RESPONSES)
@@ -78,7 +90,8 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     echo = ""  # `echo`: the reply's text starts with the prompt's
     if body.echo:
         echo = p if isinstance(p, str) else (st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else "")
-    turns = await start_turns(st, ids, sampling_params(body), _session_id(request, body), owner, match_prefix=True)
+    params = sampling_params(body, grammar=await structured.grammar_of(st, body))
+    turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True)
     return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts, echo=echo)
 
 
@@ -100,11 +113,15 @@ def _finish(reason: FinishReason | None) -> str:
 
 
 class _Choice:
-    """One completion's place in a reply: its index, whether its first chunk went out, and (the
-    completions API's logprobs) where its next token's text starts."""
+    """One completion's place in a reply: its index, whether its first chunk went out, (the
+    completions API's logprobs) where its next token's text starts, and, streamed under tools,
+    its text held while it may be a call, with the token ids and logprobs not sent yet."""
 
-    def __init__(self, index: int, echo: str) -> None:
+    def __init__(self, index: int, echo: str, calls: tools.ToolSetup | None = None) -> None:
         self.index, self.first, self.offset, self.last = index, True, len(echo), None
+        self.held = tools.CallStream(calls) if calls is not None else None
+        self.ids: list[int] = []
+        self.lps: list = []
 
     def logprobs(self, texts: logprobs_format.TokenText, chat: bool, ids: list[int], lps) -> dict | None:
         if lps is None:
@@ -155,7 +172,11 @@ class _Turns:
             t.close()
 
 
-async def _respond(body, turns: list, request: Request, chat: bool, model: str, texts, echo: str = ""):
+async def _respond(body, turns: list, request: Request, chat: bool, model: str, texts, echo: str = "",
+                   calls: tools.ToolSetup | None = None):
+    """The reply, whole or streamed, with a choice per turn. With `calls` (a chat request that may
+    call tools), a choice that is a call answers `tool_calls` (finish reason `tool_calls`)
+    instead of content."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     headers = {"X-Request-Id": turns[0].request_id}
@@ -170,9 +191,14 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         choices = []
         for i, (text, ids, last, lps) in enumerate(results):
             place = _Choice(i, echo)
-            choice = {"index": i, "finish_reason": _finish(last.finish_reason if last else None),
+            finish = _finish(last.finish_reason if last else None)
+            message = {"role": "assistant", "content": text}
+            call = tools.parse_call(text, calls) if calls is not None else None
+            if call is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            choice = {"index": i, "finish_reason": finish,
                       "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": echo + text})
+            choice.update({"message": message} if chat else {"text": echo + text})
             if body.return_token_ids:
                 choice["token_ids"] = ids
             choices.append(choice)
@@ -182,15 +208,15 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
-    places = [_Choice(i, echo) for i in range(len(turns))]
+    places = [_Choice(i, echo, calls) for i in range(len(turns))]
 
     def chunk(place: _Choice, delta_text: str | None, finish: str | None, token_ids: list[int] | None = None,
-              lps=None) -> bytes:
+              lps=None, delta: dict | None = None) -> bytes:
         logprobs = place.logprobs(texts, chat, token_ids or [], lps) if wants_logprobs and lps else None
         if chat:
-            if place.first:
+            if delta is None and place.first:
                 delta = {"role": "assistant", "content": delta_text or ""}
-            else:
+            elif delta is None:
                 delta = {"content": delta_text} if delta_text else {}
             choice = {"index": place.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
@@ -199,6 +225,17 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             choice["token_ids"] = token_ids or []
         place.first = False
         return sse.event({**head, "choices": [choice]})
+
+    def call_chunks(place: _Choice, call: dict) -> list[bytes]:
+        """A tool call in OpenAI's delta format: its id, type and name (with the reply's token ids
+        and logprobs), then its arguments, then the finish."""
+        opening = {"index": 0, "id": call["id"], "type": "function",
+                   "function": {"name": call["function"]["name"], "arguments": ""}}
+        lead = {"role": "assistant", "content": None} if place.first else {}
+        arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+        return [chunk(place, None, None, place.ids, place.lps, delta={**lead, "tool_calls": [opening]}),
+                chunk(place, None, None, delta={"tool_calls": [arguments]}),
+                chunk(place, None, "tool_calls", delta={})]
 
     async def events():
         failed = False
@@ -210,8 +247,24 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
                 yield sse.event({"error": err})
                 failed = True
                 break
-            if out.text or (out.token_ids and (place.first or body.return_token_ids or wants_logprobs)):
-                yield chunk(place, echo + out.text if place.first else out.text, None, out.token_ids, out.logprobs)
+            # token ids and logprobs go out with the text they make (held text: when it is released)
+            text, call = out.text, None
+            place.ids += out.token_ids
+            place.lps += out.logprobs or ()
+            if place.held is not None:
+                text = place.held.feed(text)
+                if out.finished:
+                    rest, call = place.held.end()
+                    text += rest
+            if call is not None:
+                for c in call_chunks(place, call):
+                    yield c
+                continue
+            holding = place.held is not None and place.held.holding is not False and not out.finished
+            if text or (place.ids and not holding and (place.first or body.return_token_ids or wants_logprobs)):
+                yield chunk(place, echo + text if place.first else text, None, place.ids, place.lps)
+            if place.ids and not holding:
+                place.ids, place.lps = [], []
             if out.finished:
                 yield chunk(place, None, _finish(out.finish_reason))
         if not failed and body.include_usage:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
-from service import chat, sse
+from service import chat, sse, structured
 from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
@@ -79,7 +79,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     if body.n != 1:
         raise APIError(400, "n > 1 is not available on a session: a session has one row (use /v1/completions "
                        "or /v1/chat/completions without a session)", "invalid_request", "n")
-    params = sampling_params(body, st.end_of_turn_ids)
+    params = sampling_params(body, st.end_of_turn_ids, await structured.grammar_of(st, body))
     append = params.max_tokens == 0
     history_len, ids = await _turn_input(st, session_id, owner, body, append)
     if not ids:

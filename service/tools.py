@@ -1,0 +1,229 @@
+"""Tool calling on /v1/chat/completions: `tools`, `tool_choice`, tool results in the messages,
+and `tool_calls` in replies.
+
+The model writes a call as one JSON object, `{"name": <function>, "arguments": {...}}`:
+
+- A chat template that takes `tools` (transformers' `apply_chat_template(tools=...)`) gets them
+  and the conversation's calls and results in the OpenAI shape, as the template expects.
+- Any other template (the embedded Gemma 3 has no tool format) gets a system preamble that lists
+  the functions as JSON schemas and asks for that call format; a past call is rendered as that
+  JSON in its assistant message, a tool result as a user message naming the function and call id
+  (consecutive messages of one role are joined, for templates that want roles to alternate).
+
+`tool_choice` `required` or a named function constrains the reply with a grammar (the JSON
+schema of a call to any listed function, or to that one, with its `parameters` schema), so the
+call is always valid JSON for the function's parameters. `auto` constrains it to "text that does
+not start with `{`, or such a call": a reply that starts a JSON object is a valid call, any other
+is plain text. `none` renders no tools and constrains nothing (past calls and results are still
+rendered). A reply that is a call answers `tool_calls` (finish reason `tool_calls`); one call per
+reply (`parallel_tool_calls` is accepted; the model makes one call).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import APIError, valid_text
+from service.schemas import Message
+from service.structured import JSON_OPTIONS, json_grammar
+
+PARAM = "tools"
+ANY_ARGS = {"type": "object"}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", "invalid_request", param)
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """A request's tools and what it lets the model do with them."""
+
+    functions: tuple[dict, ...]  # {"name", "description"?, "parameters"?} per tool, as sent
+    choice: str  # "auto" | "required" | "named"
+    name: str | None = None  # the function a named choice forces
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "named")
+
+    def call_schema(self) -> dict:
+        """The JSON schema of a call this setup allows."""
+        fns = [f for f in self.functions if self.name is None or f["name"] == self.name]
+        alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                  "arguments": f.get("parameters") or ANY_ARGS},
+                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+        return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+    def grammar(self) -> str:
+        """The llguidance grammar a reply under this setup follows."""
+        from llguidance import LLMatcher
+
+        if self.forced:
+            return json_grammar(self.call_schema(), "tool_choice")
+        schema = {**self.call_schema(), "x-guidance": JSON_OPTIONS}
+        lark = f"start: TEXT | call\nTEXT: /[^{{\\s][\\s\\S]*/\ncall: %json {json.dumps(schema)}\n"
+        return LLMatcher.grammar_from_lark(lark)
+
+
+def setup_of(body) -> ToolSetup | None:
+    """The body's tools and tool choice, checked; None when no tool may be called."""
+    extra = body.model_extra or {}
+    tools, choice = extra.get("tools"), extra.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise _bad(PARAM, "must be a list of functions")
+    functions = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(PARAM, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(PARAM, f"tools[{i}].function.parameters must be a JSON schema object")
+        functions.append({k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise _bad(PARAM, "function names must be unique")
+    if choice in (None, "auto"):
+        return ToolSetup(tuple(functions), "auto")
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolSetup(tuple(functions), "required")
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise _bad("tool_choice", "must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
+    if name not in names:
+        raise _bad("tool_choice", f"no tool named {name!r}")
+    return ToolSetup(tuple(functions), "named", name)
+
+
+def uses_tools(messages: list[Message]) -> bool:
+    return any(m.role == "tool" or (m.model_extra or {}).get("tool_calls") for m in messages)
+
+
+def template_takes_tools(tok) -> bool:
+    return "tools" in (getattr(tok, "chat_template", None) or "")
+
+
+def _calls(m: Message) -> list[dict]:
+    """An assistant message's tool calls as (name, arguments dict, id)."""
+    out = []
+    for c in (m.model_extra or {}).get("tool_calls") or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("messages", "an assistant tool call needs function.name and function.arguments")
+        args = fn.get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError as exc:
+            raise _bad("messages", f"tool call arguments are not JSON: {exc}") from exc
+        out.append({"id": c.get("id") or "", "name": fn["name"], "arguments": args})
+    return out
+
+
+def call_text(name: str, arguments: Any) -> str:
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def preamble(setup: ToolSetup) -> str:
+    listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in setup.functions)
+    ask = (f"You must call the function {setup.name}." if setup.choice == "named" else
+           "You must call one of these functions." if setup.choice == "required" else
+           "Call a function when it helps; otherwise answer in plain text.")
+    return ("You can call functions. To call one, reply with only a JSON object "
+            '{"name": <function name>, "arguments": <arguments object>} and nothing else. '
+            f"{ask}\nFunctions:\n{listed}")
+
+
+def template_messages(tok, messages: list[Message], setup: ToolSetup | None) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) as the chat template takes them."""
+    text = lambda m: valid_text(m.text(), "messages")  # noqa: E731
+    if template_takes_tools(tok):
+        out = []
+        for m in messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text(m)}
+            calls = _calls(m)
+            if calls:
+                d["tool_calls"] = [{"id": c["id"], "type": "function",
+                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+            if m.role == "tool":
+                d["tool_call_id"] = (m.model_extra or {}).get("tool_call_id") or ""
+            out.append(d)
+        tools = [{"type": "function", "function": f} for f in setup.functions] if setup is not None else None
+        return out, tools
+    names = {c["id"]: c["name"] for m in messages for c in _calls(m)}
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        content = text(m)
+        if role == "assistant" and _calls(m):
+            content = "\n".join([content] * bool(content) + [call_text(c["name"], c["arguments"]) for c in _calls(m)])
+        elif role == "tool":
+            cid = (m.model_extra or {}).get("tool_call_id") or ""
+            role, content = "user", f"Result of {names.get(cid, 'the function')} (call {cid}): {content}"
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+    if setup is not None:
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = preamble(setup) + "\n\n" + out[0]["content"]
+        else:
+            out.insert(0, {"role": "system", "content": preamble(setup)})
+    return out, None
+
+
+def parse_call(text: str, setup: ToolSetup) -> dict | None:
+    """The reply as an OpenAI tool call, or None when it is not one (plain text, or a call cut
+    short by max_tokens)."""
+    s = text.strip()
+    if not s.startswith("{"):
+        return None
+    try:
+        obj = json.loads(s)
+    except ValueError:
+        return None
+    names = {f["name"] for f in setup.functions}
+    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+
+
+class CallStream:
+    """A streamed reply under tools: text goes out as it comes until the reply may be a call (a
+    forced call from its start; under `auto` once its first character is `{`), which is held and
+    sent whole as `tool_calls` at the end."""
+
+    def __init__(self, setup: ToolSetup) -> None:
+        self.setup = setup
+        self.holding: bool | None = True if setup.forced else None  # None: not decided yet
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        """The part of `text` to send now as content."""
+        if self.holding is False:
+            return text
+        self.held += text
+        if self.holding is None and self.held.strip():
+            self.holding = self.held.lstrip().startswith("{")
+            if not self.holding:
+                out, self.held = self.held, ""
+                return out
+        return ""
+
+    def end(self) -> tuple[str, dict | None]:
+        """(content still to send, the call) once the reply is complete."""
+        call = parse_call(self.held, self.setup) if self.held else None
+        if call is not None:
+            return "", call
+        out, self.held = self.held, ""
+        return out, None

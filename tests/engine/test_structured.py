@@ -1,0 +1,159 @@
+"""Structured outputs in the engine (engine/core/structured.py): a grammar row's tokens follow
+its grammar and end it, the rows beside it are untouched, and a bad grammar changes nothing; with
+penalties and logprobs, and with n > 1 (each choice's matcher forked)."""
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import replace
+
+import jsonschema
+import pytest
+import torch
+from llguidance import LLMatcher
+
+from engine import Engine, EngineConfig, EngineError, Request, SamplingParams
+from engine.core.types import fork_id
+from service.structured import JSON_OPTIONS
+from tests.engine.test_logits_process import reference_process
+from tests.helpers import run_all
+from tests.scenarios import Recorder
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+def _grammar(schema=SCHEMA) -> str:
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+
+
+def _engine(embedded, **kw) -> Engine:
+    return Engine(EngineConfig(model="embedded", max_rows=8, kv_cache_bytes=64 << 20, **kw), embedded)
+
+
+@pytest.mark.parametrize("layout", ["eager", "static-overlap"])
+def test_grammar_row_leaves_free_rows_unchanged(embedded, layout):
+    """7 free rows (greedy and seeded sampling) give the same tokens alone and beside a grammar
+    row (greedy or sampled), and the grammar rows' replies are valid JSON for the schema, ended by
+    the grammar (stop) well before max_tokens. With decode graphs and steps launched ahead, the
+    engine falls back to plain steps while the grammar row runs."""
+    kw = {} if layout == "eager" else {"decode_graphs": True, "overlap_steps": True}
+    engine = _engine(embedded, **kw)  # stateless requests: each run leaves it as it found it
+    tok = embedded.tokenizer
+    prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "Roses are red,",
+               "1, 2, 3,", "The weather today", "My favourite food"]
+    free = [Request(f"f{i}", tok(p)["input_ids"],
+                    SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i))
+            for i, p in enumerate(prompts)]
+    alone = run_all(engine, free)
+    ask = tok("A user record as JSON:")["input_ids"]
+    ended = []
+    engine_step = engine.step
+
+    def step():  # the grammar row's last output, for its finish reason
+        got = engine_step()
+        ended.extend(o for o in got if o.request_id == "g" and o.finished)
+        return got
+    engine.step = step
+    grammar_rows = [SamplingParams(max_tokens=40, grammar=_grammar(), temperature=0.8, seed=5)]
+    if layout == "eager":
+        grammar_rows.insert(0, SamplingParams(max_tokens=40, grammar=_grammar()))
+    for params in grammar_rows:
+        crowd = run_all(engine, [Request("g", ask, params), *free])
+        engine.check_invariants()
+        assert {k: v for k, v in crowd.items() if k != "g"} == alone
+        reply = json.loads(tok.decode(crowd["g"], skip_special_tokens=True))
+        jsonschema.validate(reply, SCHEMA)
+        assert ended.pop().finish_reason.value == "stop" and len(crowd["g"]) < 40
+
+
+def test_bad_grammar_changes_nothing(embedded):
+    engine = _engine(embedded)
+    bad = LLMatcher.grammar_from_json_schema(json.dumps({"type": "nonsense"}))
+    with pytest.raises(EngineError) as err:
+        engine.add_request(Request("bad", [2, 3, 4], SamplingParams(max_tokens=4, grammar=bad)))
+    assert err.value.param == "response_format" and "nonsense" in err.value.message
+    assert not engine.has_work()
+    engine.check_invariants()
+    ids = embedded.tokenizer("Answer:")["input_ids"]
+    out = run_all(engine, [Request("ok", ids, SamplingParams(max_tokens=3, grammar=LLMatcher.grammar_from_regex("[0-9]{3}")))])
+    assert embedded.tokenizer.decode(out["ok"]).isdigit() and len(embedded.tokenizer.decode(out["ok"])) == 3
+
+
+def _allowed(matcher, vocab: int) -> torch.Tensor:
+    """The tokens `matcher` (a RowGrammar) allows next, bit by bit from its mask: [vocab] bool."""
+    bits = torch.empty((vocab + 31) // 32, dtype=torch.int32)
+    matcher.fill_mask(bits)
+    return (((bits.long()[:, None] >> torch.arange(32)) & 1).reshape(-1)[:vocab]).bool()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_grammar_row_with_penalties_and_logprobs(embedded, temperature):
+    """A grammar row that also asks for penalties and logprobs: its reply parses under the
+    schema, and each token's logprob and top logprobs are the log-softmax of the engine's own
+    logits (recorded before sampling) penalized by the reference (penalties first), then masked
+    by the grammar (a matcher of the same grammar fed the same tokens); every token is one the
+    grammar allows, and a greedy token is the masked argmax. The mask and the penalties both
+    change the numbers (the check would see either left out)."""
+    engine = _engine(embedded)
+    rec = Recorder(engine)
+    tok = embedded.tokenizer
+    vocab = engine.geometry.vocab_size
+    prompt = tok("A user record as JSON:")["input_ids"]
+    params = SamplingParams(max_tokens=40, grammar=_grammar(), logprobs=3, presence_penalty=0.8,
+                            frequency_penalty=0.5, repetition_penalty=1.3, temperature=temperature, seed=11)
+    engine.add_request(Request("g", prompt, params))
+    toks, lps, last = [], [], None
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error is None, o.error
+            toks += o.new_token_ids
+            lps += o.logprobs or []
+            last = o
+        engine.check_invariants()
+    jsonschema.validate(json.loads(tok.decode(toks, skip_special_tokens=True)), SCHEMA)
+    assert last.finish_reason.value == "stop" and len(lps) == len(toks) < 40
+    reference = engine.grammars.matcher(params.grammar)
+    masked_away = penalized = 0
+    for i, (t, (lp, top_ids, top_lps)) in enumerate(zip(toks, lps)):
+        raw = rec.logits[("g", len(prompt) - 1 + i)]
+        x = reference_process(raw, params, prompt, toks[:i], engine.eos_token_ids)
+        allowed = _allowed(reference, vocab)
+        ref = torch.log_softmax(x.masked_fill(~allowed, -math.inf), dim=-1)
+        assert allowed[t], (i, t)
+        assert abs(lp - ref[t].item()) < 1e-4, (i, lp, ref[t].item())
+        want = torch.topk(ref, 3)
+        assert torch.allclose(torch.tensor(top_lps, dtype=torch.float64), want.values, atol=1e-4)
+        assert all(ref[u].item() == v or abs(ref[u].item() - v) < 1e-4 for u, v in zip(top_ids, top_lps))
+        if temperature == 0.0:
+            assert t == int(ref.argmax()) and top_ids[0] == t
+        masked_away += int(not allowed[int(x.argmax())])
+        unpenalized = torch.log_softmax(raw.double().masked_fill(~allowed, -math.inf), dim=-1)
+        penalized += int(abs(unpenalized[t].item() - lp) > 1e-3)
+        assert reference.accept(t)
+    assert masked_away and penalized
+
+
+def test_forked_choices_follow_the_grammar_each_on_its_own(embedded):
+    """n = 3 with a grammar: the prompt's row and the grammar's matcher are forked after the
+    prefill, and choice i gives exactly what a single request with seed + i gives; each parses."""
+    engine = _engine(embedded)
+    tok = embedded.tokenizer
+    prompt = tok("A user record as JSON:")["input_ids"]
+    params = SamplingParams(max_tokens=40, grammar=_grammar(), temperature=1.0, seed=21, presence_penalty=0.3)
+    alone = run_all(engine, [Request(f"s{i}", prompt, replace(params, seed=21 + i)) for i in range(3)])
+    engine.add_request(Request("p", prompt, replace(params, n=3)))
+    forked = defaultdict(list)
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error is None, o.error
+            forked[o.request_id] += o.new_token_ids
+    engine.check_invariants()
+    assert sorted(forked) == [fork_id("p", i) for i in range(3)]
+    assert len({tuple(v) for v in alone.values()}) > 1  # the seeds give different replies
+    for i in range(3):
+        assert forked[fork_id("p", i)] == alone[f"s{i}"], i
+        jsonschema.validate(json.loads(tok.decode(forked[fork_id("p", i)], skip_special_tokens=True)), SCHEMA)

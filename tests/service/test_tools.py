@@ -1,0 +1,103 @@
+"""Tool calling's front-end parts on the embedded model's real tokenizer: how a conversation with
+tools, calls and results is rendered (through a template that takes tools, or the preamble), the
+choices' checks, and how a streamed reply is split into text and a call."""
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+from transformers import AutoTokenizer
+
+from service.errors import APIError
+from service.schemas import ChatCompletionRequest
+from service.tools import CallStream, parse_call, preamble, setup_of, template_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+    {"role": "user", "content": "Thanks. And?"},
+]
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}{{ m.content }}{% if m.tool_call_id %} [{{ m.tool_call_id }}]"
+    "{% endif %}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_dir):
+    return AutoTokenizer.from_pretrained(str(embedded_dir))
+
+
+def _body(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=kw.pop("messages", CONVERSATION), **kw)
+
+
+def test_preamble_rendering_for_a_template_without_tools(tok):
+    body = _body(tools=[WEATHER], tool_choice="required")
+    setup = setup_of(body)
+    msgs, tools = template_messages(tok, body.messages, setup)
+    assert tools is None
+    assert msgs == [
+        {"role": "system", "content": preamble(setup) + "\n\nBe brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+        {"role": "user", "content": "Result of get_weather (call call_1): Sunny\n\nThanks. And?"},
+    ]
+    assert '"name": "get_weather"' in preamble(setup) and "You must call one" in preamble(setup)
+    tok.apply_chat_template(msgs, tokenize=False)  # Gemma's template takes it (roles alternate)
+
+
+def test_template_that_takes_tools_gets_them(tok):
+    gemma = tok.chat_template
+    tok.chat_template = TOOLS_TEMPLATE
+    try:
+        body = _body(tools=[WEATHER])
+        msgs, tools = template_messages(tok, body.messages, setup_of(body))
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+    finally:
+        tok.chat_template = gemma
+    assert text == ('TOOLS:get_weather;<system>Be brief.</system><user>Weather in Paris?</user>'
+                    '<assistant>CALL get_weather {"city": "Paris"}</assistant><tool>Sunny [call_1]</tool>'
+                    '<user>Thanks. And?</user><assistant>')
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_requests(kw, param):
+    with pytest.raises(APIError) as err:
+        setup_of(_body(**kw))
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_choices_and_their_grammars():
+    assert setup_of(_body(tools=[WEATHER], tool_choice="none")) is None
+    assert setup_of(_body()) is None
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        setup = setup_of(_body(tools=[WEATHER], tool_choice=choice))
+        assert LLMatcher.validate_grammar(setup.grammar()) == ""
+
+
+def test_streamed_reply_splits_text_and_call():
+    auto = setup_of(_body(tools=[WEATHER]))
+    s = CallStream(auto)
+    assert s.feed("Hello") == "Hello" and s.feed(" there") == " there" and s.end() == ("", None)
+    s = CallStream(auto)
+    assert s.feed('{"name": "get_weather", ') == "" and s.feed('"arguments": {"city": "Oslo"}}') == ""
+    rest, call = s.end()
+    assert rest == "" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"} and call["id"].startswith("call_")
+    s = CallStream(auto)  # a call cut short is text after all
+    assert s.feed('{"name": "get_w') == "" and s.end() == ('{"name": "get_w', None)
+    assert parse_call('{"name": "other", "arguments": {}}', auto) is None
