@@ -7,6 +7,7 @@ Map of the package (one owner per resource, data flows top to bottom):
     process.py       the engine process: EngineCore loops commands in -> step -> one message out
     core/            the engine itself, no torch kernels
       engine.py        Engine.step(): schedule -> run -> apply; requests end in one place
+      ahead.py         AheadSteps: steady decoding launched one step ahead of the host
       sessions.py      SessionTable: sessions, their owners, durability, where each row is
       requests.py      a request's validation and plan (what it feeds, how its row comes back)
       scheduler.py     token budget, prefill chunks + decodes; admission through a callback

@@ -139,7 +139,7 @@ def engines(policy: str, device: str = "cpu"):
         return Engine(EngineConfig(**OVERLAP_BASE, kv_policy=policy, device=device, overlap_steps=overlap), loaded)
 
     plain, ahead = make(False), make(True)
-    assert not plain.overlap and ahead.overlap
+    assert plain.ahead is None and ahead.ahead is not None
     return plain, ahead
 
 

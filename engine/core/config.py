@@ -47,7 +47,7 @@ class EngineConfig:
     max_graph_batch: int = 256  # the largest decode batch captured (larger steps run eagerly)
     # Overlap the host with the device in steady decoding: the next static decode step is
     # launched (its tokens read on the device) before the host applies the step before it, and a
-    # row found finished one step late has that extra step undone (engine.py, `_step_ahead`).
+    # row found finished one step late has that extra step undone (core/ahead.py).
     # None: on where decode graphs are captured (CUDA); True on the CPU runs the same logic.
     overlap_steps: bool | None = None
     # The engine's own Gemma 3 layer forward with fused projections and elementwise kernels

@@ -17,7 +17,7 @@ sampled, and the history it commits ends with a computed token.
 Steady decoding overlaps the host with the device (`EngineConfig.overlap_steps`): while every
 running request decodes, the next static decode step is launched, its tokens read on the device
 (greedy picks, or each sampling row's draw), before the host applies the step before it
-(`_step_ahead`). A row that the applied step finishes (EOS, a stop string) was fed one token too
+(`ahead.py`). A row that the applied step finishes (EOS, a stop string) was fed one token too
 many: `_finish` undoes that token's forward (`RowPool.undo_decode`), so the row is exactly what
 the plain order of steps leaves.
 """
@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.config import EngineConfig
+from engine.core.ahead import AheadSteps
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.responses import ResponseStore
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -46,7 +47,6 @@ from engine.kv.rows import RowPool
 from engine.model.hf_adapter import geometry
 from engine.model.loader import LoadedModel, load_model
 from engine.runner.attention import ForwardChunk
-from engine.runner.decode_graph import GreedyFetch
 from engine.runner.model_runner import ModelRunner, RunnerInput
 from engine.runner.sampler import pick_tokens
 
@@ -59,14 +59,6 @@ class _Batch(NamedTuple):
     inputs: list[RunnerInput]
     lives: list[LiveRequest]  # per input
     appended: list[LiveRequest]  # appends whose input is all fed by this step: they end with it
-
-
-class _Pending(NamedTuple):
-    """A static decode step launched and not yet applied (see `_step_ahead`)."""
-
-    lives: list[LiveRequest]  # per lane
-    positions: list[int]  # the position each lane fed
-    fetch: GreedyFetch  # its greedy tokens, on their way to the host
 
 
 class Engine:
@@ -96,8 +88,6 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
                                   capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl,
                                   nf4=config.nf4_kernels)
-        self.overlap = overlap
-        self._pending: _Pending | None = None  # a static decode step launched, not yet applied
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
@@ -112,6 +102,8 @@ class Engine:
         self.planner = RequestPlanner(self.pool, geo.vocab_size, self.max_model_len, self.tokenizer, config.seed,
                                       self.grammars, self.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
+        # steady decoding launched ahead of the host (ahead.py); None: steps applied in order
+        self.ahead = AheadSteps(self.runner, self.scheduler, self.pool, self._live, self.stats) if overlap else None
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
         self.ended_between_steps: list[RequestOutput] = []
@@ -258,10 +250,10 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward's outputs. With a step in flight (`_step_ahead`), those are its outputs,
+        """One forward's outputs. With a step in flight (`AheadSteps`), those are its outputs,
         and the next step is launched first where it can be."""
-        if self._pending is not None:
-            return self._step_ahead()
+        if self.ahead is not None and self.ahead.pending is not None:
+            return self.ahead.step(self._apply_safely, self._finish, self.logits_hook is not None)
         plan = self.scheduler.schedule(self._admit)
         if not plan.chunks:
             return []
@@ -271,8 +263,8 @@ class Engine:
             out = self.runner.run(batch.inputs)
         except Exception as exc:  # the forward failed: end every request in it, keep serving
             return [self._finish(live, FinishReason.ERROR, error=f"forward failed: {exc}") for live in batch.lives]
-        if self._launched_ahead(plan, batch, out):
-            return self._step_ahead()
+        if self.ahead is not None and self.logits_hook is None and self.ahead.launch(plan, batch.lives, batch.inputs, out):
+            return self.ahead.step(self._apply_safely, self._finish, False)
         return self._apply_step(batch, out)
 
     def _batch(self, plan: SchedulerOutput) -> _Batch:
@@ -349,87 +341,6 @@ class Engine:
                 raise  # it failed while ending: the engine's own state is in doubt
             log.exception("request %s failed in its step", live.request_id)
             return self._finish(live, FinishReason.ERROR, error=f"step failed: {exc}")
-
-    # ---- the step launched ahead ----------------------------------------------------------------
-    def _launched_ahead(self, plan: SchedulerOutput, batch: _Batch, out: StepLogits) -> bool:
-        """A static decode step of every running row: its tokens are picked on the device and
-        copied to the host behind it, and the step is left pending (`_step_ahead` applies it)."""
-        logits, owners, greedy = out
-        if not (self.overlap and greedy is not None and len(owners) == len(batch.inputs)
-                and self.logits_hook is None and all(c.decode for c in plan.chunks)
-                and all(lv.grammar is None for lv in batch.lives)):  # a grammar's mask needs the token before
-            return False
-        try:
-            self._pending = self._pend(batch.lives, batch.inputs, logits, greedy)
-        except Exception:  # sampling failed: the plain path ends those rows with the error
-            return False
-        return True
-
-    def _pend(self, lives: list[LiveRequest], inputs: list[RunnerInput], logits: torch.Tensor,
-              greedy: torch.Tensor) -> _Pending:
-        """A launched static step, pending: its tokens picked on the device and on their way to
-        the host; each row is marked as fed one token ahead."""
-        fetch = self.runner.fetch_picks(logits, greedy, [lv.request.params for lv in lives],
-                                        [lv.generator for lv in lives], [lv.logits_state for lv in lives])
-        positions = [i.chunk.start for i in inputs]
-        for lane, live in enumerate(lives):
-            live.ahead = (lane, positions[lane])
-        return _Pending(lives, positions, fetch)
-
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Launch the next static decode step, if the next step is one, then apply the pending
-        one while the device runs it. The next step feeds each row the token the pending step
-        produces (read on the device); a row the pending step finishes by length is left out (the
-        host knows it in advance), one it finishes otherwise is undone when it ends (`_finish`).
-        A sampling row draws its next token right after the launch, on the device, so its draws
-        come in the order they would without the overlap."""
-        prev, self._pending = self._pending, None
-        chained, failure = [], None
-        running = self.scheduler.decoding() if self.logits_hook is None else None
-        still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request_id) is lv]
-        if running is not None and set(running) == {lv.request_id for _, lv in still}:
-            for lane, live in still:
-                p = prev.positions[lane]
-                if len(live.output_ids) + 1 < live.request.params.max_tokens and p + 2 < live.max_len:
-                    chained.append((lane, live))
-        if chained:
-            inputs = []
-            for _, live in chained:
-                start = self.pool.kv_len(live.row)
-                inputs.append(RunnerInput(ForwardChunk(live.row, 1, start, start, True), [0], True))
-            self.stats["steps"] += 1
-            self.stats["decode_tokens"] += len(inputs)
-            try:
-                logits, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained])
-            except Exception as exc:  # the forward failed: its rows end once the pending step is applied
-                failure = f"forward failed: {exc}"
-            else:
-                try:
-                    self._pending = self._pend([lv for _, lv in chained], inputs, logits, greedy)
-                except Exception as exc:
-                    failure = f"sampling failed: {exc}"
-        outputs = self._apply_pending(prev)
-        if failure is not None:
-            outputs += [self._finish(lv, FinishReason.ERROR, error=failure) for _, lv in chained
-                        if self._live.get(lv.request_id) is lv]
-        if self._pending is not None and not any(self._live.get(lv.request_id) is lv
-                                                 for lv in self._pending.lives):
-            self._pending = None  # every row it fed ended (and was undone): nothing to apply
-        return outputs
-
-    def _apply_pending(self, prev: _Pending) -> list[RequestOutput]:
-        for lane, live in enumerate(prev.lives):
-            if live.ahead == (lane, prev.positions[lane]):
-                live.ahead = None  # this step is being applied: nothing to undo any more
-        lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._live.get(lv.request_id) is lv]
-        try:
-            tokens, finite = prev.fetch.result()
-            logprobs = prev.fetch.lane_logprobs()
-        except Exception as exc:
-            return [self._finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lives]
-        return [self._apply_safely(lv, (tokens[lane], finite[lane]), prev.positions[lane] + 1, logprobs.get(lane))
-                for lane, lv in lives]
 
     def _apply(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int,
                logprobs: TokenLogprobs | None = None) -> RequestOutput:

@@ -15,8 +15,9 @@ books (kv_len, ring positions) are committed exactly as the eager path commits t
 
 A step may also be launched before the host has seen the tokens it feeds (`run(..., sources)`):
 a lane then reads its token id on the device, from the tokens the previous static step left in
-`last` (its greedy tokens, or the engine's sampled draws, `feed_next`). The engine does this to overlap its host work with the device (engine.py,
-`_step_ahead`). A row that turns out to have finished one step earlier must get its state back:
+`last` (its greedy tokens, or the engine's sampled draws, `feed_next`). The engine does this to
+overlap its host work with the device (core/ahead.py). A row that turns out to have finished one
+step earlier must get its state back:
 with `undoable`, ring layers keep what each store overwrote (`evicted`), and `RowPool.undo_decode`
 puts it back.
 

@@ -12,7 +12,7 @@ applies them:
     presence_penalty    x[t] -= p * (t in output)
 
 What a row remembers lives on the device in its `RowLogitsState` and is updated there from the
-picked token (`record`), so steps launched ahead of the host (engine.py, `_step_ahead`) see every
+picked token (`record`), so steps launched ahead of the host (core/ahead.py) see every
 token picked before them without a host sync.
 
 Logprobs are the log-softmax of these processed logits (the logits greedy takes the argmax of and
