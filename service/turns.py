@@ -157,6 +157,16 @@ async def engine_call(coro):
         raise APIError(503, f"the engine is not running: {err}", "engine_dead") from err
 
 
+async def open_session(st, owner: str | None) -> str:
+    """A new session of `owner` (within the per-key limit), its id; a refusal is counted."""
+    limit = st.settings.max_sessions_per_key if owner is not None else None
+    try:
+        return await engine_call(st.engine.create_session(owner, limit))
+    except APIError as err:
+        st.metrics.rejections.labels(err.code).inc()
+        raise
+
+
 @dataclass
 class Chunk:
     """What a turn hands its route: the text and tokens since the last chunk, and the counts."""

@@ -31,7 +31,7 @@ from service import responses as rs
 from service.auth import tenant
 from service.errors import APIError
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES
-from service.turns import check_model, collect, engine_call, render_chat, require_ready, start_turn
+from service.turns import check_model, collect, engine_call, open_session, render_chat, require_ready, start_turn
 
 router = APIRouter(prefix="/v1/responses", responses=ERROR_RESPONSES)
 _encode = msgspec.json.Encoder().encode
@@ -76,13 +76,7 @@ async def _rebuilt(st, body, chain: list[dict], messages: list[dict], owner: str
     ids = await render_chat(st, conversation + messages, 0, [], True)
     if not body.store:
         return _Plan(None, 0, ids, False)
-    limit = st.settings.max_sessions_per_key if owner is not None else None
-    try:
-        sid = await engine_call(st.engine.create_session(owner, limit))
-    except APIError as err:
-        st.metrics.rejections.labels(err.code).inc()
-        raise
-    return _Plan(sid, 0, ids, True)
+    return _Plan(await open_session(st, owner), 0, ids, True)
 
 
 async def _drop(st, plan: _Plan, owner: str | None) -> None:

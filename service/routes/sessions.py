@@ -13,8 +13,8 @@ from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import (check_supported, collect, engine_call, render_chat, require_ready, sampling_params,
-                           start_turn, tokenize)
+from service.turns import (check_supported, collect, engine_call, open_session, render_chat, require_ready,
+                           sampling_params, start_turn, tokenize)
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
@@ -23,12 +23,7 @@ router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 async def create_session(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    limit = st.settings.max_sessions_per_key if owner is not None else None
-    try:
-        sid = await engine_call(st.engine.create_session(owner, limit))
-    except APIError as err:
-        st.metrics.rejections.labels(err.code).inc()
-        raise
+    sid = await open_session(st, owner)
     return {"id": sid, "object": "session", "created": int(time.time()), "model": st.model_name}
 
 
