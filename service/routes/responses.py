@@ -161,7 +161,7 @@ async def create_response(body: rs.ResponsesRequest, request: Request, owner: st
     if not body.stream:
         kept = False
         try:
-            text, _, last = await collect(turn, request)
+            text, _, last, _ = await collect(turn, request)
             if last is None:  # the client left
                 return JSONResponse({}, 499)
             obj = final(text, last)
