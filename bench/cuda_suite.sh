@@ -16,7 +16,8 @@ fi
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null || echo "bitsandbytes: not installed"
 run_tests() {
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py tests/equivalence/test_cuda_nf4.py -s 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py tests/equivalence/test_cuda_nf4.py \
+    tests/equivalence/test_cuda_sampling.py -s 2>&1 \
     | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
 }
 case "${2:-}" in

@@ -1,0 +1,131 @@
+"""Logits processing, logprobs, forks and grammar masks on a CUDA device (skipped without one),
+inside captured decode graphs with steps launched ahead: the same numbers as the references the
+CPU tests use, and the same tokens as steps applied in order."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, Request, SamplingParams
+from engine.core.types import fork_id
+from engine.model.loader import LoadedModel
+from tests.engine import test_forks
+from tests.engine.test_logits_process import ASKING, PROMPTS, reference_process, run
+from tests.helpers import tiny_loaded
+from tests.scenarios import OVERLAP_BASE, Recorder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PLAIN = Request("plain", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+
+
+def cuda_engine(overlap: bool, graphs: bool = True, tokenizer=None) -> Engine:
+    loaded = tiny_loaded(0)
+    loaded.model.cuda()
+    cfg = EngineConfig(**{**OVERLAP_BASE, "decode_graphs": graphs}, kv_policy="s5", device="cuda",
+                       overlap_steps=overlap)
+    return Engine(cfg, LoadedModel(loaded.model, tokenizer, "tiny"))
+
+
+def asking() -> list[Request]:
+    return [Request(rid, PROMPTS[rid], p) for rid, p in ASKING.items()] + [replace(PLAIN)]
+
+
+def test_cuda_logprobs_and_penalties_equal_the_reference():
+    """On the device: each token's logprob and top logprobs equal a log-softmax of the engine's
+    own logits after the reference processing (penalties, logit_bias, min_tokens), to 1e-4."""
+    engine = cuda_engine(overlap=False, graphs=False)
+    rec = Recorder(engine)
+    toks, lps = run(engine, asking())
+    checked = 0
+    for rid, params in ASKING.items():
+        prompt = PROMPTS[rid]
+        for i, (tok, (lp, top_ids, top_lps)) in enumerate(zip(toks[rid], lps[rid])):
+            raw = rec.logits[(rid, len(prompt) - 1 + i)].cpu()
+            x = reference_process(raw, params, prompt, toks[rid][:i], engine.eos_token_ids) if params.processed \
+                else raw.double()
+            ref = torch.log_softmax(x, dim=-1)
+            assert abs(lp - ref[tok].item()) < 1e-4 or (lp == -math.inf and ref[tok] == -math.inf)
+            assert torch.allclose(torch.tensor(top_lps, dtype=torch.float64), torch.topk(ref, len(top_ids)).values,
+                                  atol=1e-4)
+            if params.greedy:
+                assert tok == int(x.argmax())
+            checked += 1
+    assert checked == 48
+
+
+def test_cuda_graphs_launched_ahead_pick_what_plain_steps_pick():
+    """Rows asking for logprobs, penalties and biases, beside a plain row: captured graphs with
+    steps launched ahead give the tokens of eager steps applied in order (logprobs to 1e-4), and
+    the greedy rows give the CPU engine's tokens."""
+    want, want_lp = run(cuda_engine(overlap=False, graphs=False), asking())
+    fast = cuda_engine(overlap=True)
+    got, got_lp = run(fast, asking())
+    assert fast.ahead is not None and fast.runner.decoder.graphs
+    assert got == want
+    for rid in ASKING:
+        assert [x[1] for x in got_lp[rid]] == [x[1] for x in want_lp[rid]]
+        assert max(abs(a[0] - b[0]) for a, b in zip(got_lp[rid], want_lp[rid])) < 1e-4
+    cpu, _ = run(Engine(EngineConfig(**OVERLAP_BASE, kv_policy="s5"), tiny_loaded(0)), asking())
+    for rid in ("lp-greedy", "pen-greedy", "plain"):
+        assert got[rid] == cpu[rid], rid
+
+
+def test_cuda_forked_choices_equal_single_seeded_requests():
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=40, logprobs=2,
+                            frequency_penalty=0.5)
+    prompt = [5 + i % 400 for i in range(90)]
+    engine = cuda_engine(overlap=True)
+    toks, _, _ = test_forks.run(engine, [Request("p", prompt, replace(params, n=3)), replace(PLAIN)])
+    want, _, _ = test_forks.run(cuda_engine(overlap=True), [Request(f"s{i}", prompt, replace(params, seed=40 + i))
+                                               for i in range(3)])
+    assert [toks[fork_id("p", i)] for i in range(3)] == [want[f"s{i}"] for i in range(3)]
+    assert len({tuple(v) for v in want.values()}) == 3
+    assert engine.stats["prefill_tokens"] == len(prompt) + 3 and engine.pool.used_rows() == []
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer of the tiny model's 512 ids (0 pad, 1 eos, 2 bos), trained here
+    on JSON-like text, so that grammar masks can be built for a model that fits any test."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [json.dumps({"name": f"user{i}", "ok": i % 2 == 0, "n": i * 37}) for i in range(400)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() <= 512 and tok.token_to_id("<eos>") == 1
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+
+
+def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
+    """A grammar row (greedy and sampled) beside 6 free rows, with captured graphs and steps
+    launched ahead: the free rows' tokens equal theirs alone, the grammar row's reply parses with
+    the schema's keys and types and is ended by the grammar before max_tokens."""
+    from llguidance import LLMatcher
+
+    from service.structured import JSON_OPTIONS
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    tok = byte_tokenizer()
+    engine = cuda_engine(overlap=True, tokenizer=tok)
+    free = [Request(f"f{i}", [5 + i, 6, 7 + i], SamplingParams(max_tokens=10, ignore_eos=True,
+                                                                temperature=0.0 if i % 2 else 0.9, seed=i))
+            for i in range(6)]
+    alone, _ = run(engine, [replace(r) for r in free])
+    for params in (SamplingParams(max_tokens=60, grammar=grammar),
+                   SamplingParams(max_tokens=60, grammar=grammar, temperature=0.8, seed=5, logprobs=2)):
+        got, _ = run(engine, [Request("g", tok("{")["input_ids"], params), *[replace(r) for r in free]])
+        assert {k: v for k, v in got.items() if k != "g"} == alone
+        assert len(got["g"]) < 60
+        reply = json.loads(tok.decode(got["g"], skip_special_tokens=True))
+        assert set(reply) == {"name", "ok"} and isinstance(reply["name"], str) and isinstance(reply["ok"], bool)
+        assert len(reply["name"]) <= 8
+    assert engine.pool.used_rows() == []
