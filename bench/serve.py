@@ -179,7 +179,9 @@ def scrape(base_url: str) -> dict[str, float]:
 
 def loop_lag(before: dict, after: dict) -> dict:
     """Event-loop lag over the run from the s5_event_loop_lag_seconds histogram: samples, mean,
-    the bucket bound under which 99% fell, and the worst seen."""
+    the bucket bounds under which 99% and all of the run's samples fell (None: some above the
+    last bound), the worst since the server started, and the front end's garbage collections in
+    the run (count and seconds, from s5_gc_pause_seconds)."""
     name = "s5_event_loop_lag_seconds"
     count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
     if count <= 0:
@@ -188,8 +190,12 @@ def loop_lag(before: dict, after: dict) -> dict:
     buckets = sorted((float(k.split('le="')[1].rstrip('"}')), after[k] - before.get(k, 0))
                      for k in after if k.startswith(f"{name}_bucket") and "+Inf" not in k)
     p99 = next((le for le, c in buckets if c >= 0.99 * count), None)
-    return {"samples": count, "mean_s": total / count, "p99_le_s": p99,
-            "max_s": after.get("s5_event_loop_lag_max_seconds")}
+    worst = next((le for le, c in buckets if c >= count), None)
+    gc_runs = {k: after[k] - before.get(k, 0) for k in after if k.startswith("s5_gc_pause_seconds_")}
+    return {"samples": count, "mean_s": total / count, "p99_le_s": p99, "max_le_s": worst,
+            "max_since_start_s": after.get("s5_event_loop_lag_max_seconds"),
+            "gc_collections": sum(v for k, v in gc_runs.items() if k.startswith("s5_gc_pause_seconds_count")),
+            "gc_seconds": sum(v for k, v in gc_runs.items() if k.startswith("s5_gc_pause_seconds_sum"))}
 
 
 # ---- the server under test ---------------------------------------------------------------------------
@@ -431,7 +437,7 @@ def main() -> None:
     head = (f"{'target':>9} {'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
             f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
             f"{'eng ITL p99':>11} "
-            f"{'lag p99 ms':>10} {'errors':>6}")
+            f"{'lag p99 ms':>10} {'lag max ms':>10} {'GC s':>5} {'errors':>6}")
     print(head, flush=True)
     ns = a.n if a.mode == "concurrency" else [a.sessions if a.mode == "sessions" else max(a.n)]
     for n in ns:
@@ -491,7 +497,8 @@ def main() -> None:
                   f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
                   f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
                   f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
-                  f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {summ['errors']:>6}", flush=True)
+                  f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {f(lag.get('max_le_s'), 1e3, '.0f'):>10} "
+                  f"{f(lag.get('gc_seconds'), fmt='.2f'):>5} {summ['errors']:>6}", flush=True)
             if res is not None:
                 for t in res["per_turn"]:
                     print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -45,6 +48,9 @@ class Metrics:
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
         self._lag_max = 0.0
+        self.gc_pause = Histogram("s5_gc_pause_seconds", "Front-end garbage collections (they stop the event loop)",
+                                  ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
+        self._gc_started = 0.0
         self.invariant_checks = Counter("s5_invariant_checks", "Engine invariant checks run while idle", registry=r)
         self.invariant_failures = Counter("s5_invariant_failures", "Engine invariant checks that failed "
                                           "(the engine process logs each)", registry=r)
@@ -86,6 +92,19 @@ class Metrics:
         if seconds > self._lag_max:
             self._lag_max = seconds
             self.loop_lag_max.set(seconds)
+
+    def watch_gc(self, on: bool) -> None:
+        """Time this process's garbage collections into `gc_pause` (on), or stop (off)."""
+        if on and self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+        elif not on and self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            self.gc_pause.labels(str(info["generation"])).observe(time.perf_counter() - self._gc_started)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
