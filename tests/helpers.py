@@ -128,3 +128,21 @@ def tiny_reference(seed: int = 0, **overrides):
     m = tiny_random_model(seed, **overrides)
     m.set_attn_implementation("sdpa")
     return m
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer of the tiny model's 512 ids (0 pad, 1 eos, 2 bos), trained here
+    on JSON-like text, so that grammar masks can be built for a model that fits any test."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [json.dumps({"name": f"user{i}", "ok": i % 2 == 0, "n": i * 37}) for i in range(400)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() <= 512 and tok.token_to_id("<eos>") == 1
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")

@@ -14,12 +14,11 @@ from llguidance import LLMatcher
 
 from engine import Engine, EngineConfig, EngineError, Request, SamplingParams
 from engine.core.types import fork_id
+from engine.model.loader import LoadedModel, tiny_random_model
 from service.structured import JSON_OPTIONS
 from tests.engine.test_logits_process import reference_process
-from tests.helpers import run_all
+from tests.helpers import byte_tokenizer, run_all
 from tests.scenarios import Recorder
-
-pytestmark = pytest.mark.slow
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "ok": {"type": "boolean"}},
@@ -30,19 +29,26 @@ def _grammar(schema=SCHEMA) -> str:
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
 
 
-def _engine(embedded, **kw) -> Engine:
-    return Engine(EngineConfig(model="embedded", max_rows=8, kv_cache_bytes=64 << 20, **kw), embedded)
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random model with a byte-level tokenizer of its 512 ids: the grammar engine builds
+    masks for it as for any tokenizer (the served tests use the embedded model's)."""
+    return LoadedModel(tiny_random_model(0), byte_tokenizer(), "tiny")
+
+
+def _engine(tiny, **kw) -> Engine:
+    return Engine(EngineConfig(model="tiny-random", max_rows=8, kv_cache_bytes=1 << 24, **kw), tiny)
 
 
 @pytest.mark.parametrize("layout", ["eager", "static-overlap"])
-def test_grammar_row_leaves_free_rows_unchanged(embedded, layout):
+def test_grammar_row_leaves_free_rows_unchanged(tiny, layout):
     """7 free rows (greedy and seeded sampling) give the same tokens alone and beside a grammar
     row (greedy or sampled), and the grammar rows' replies are valid JSON for the schema, ended by
     the grammar (stop) well before max_tokens. With decode graphs and steps launched ahead, the
     engine falls back to plain steps while the grammar row runs."""
     kw = {} if layout == "eager" else {"decode_graphs": True, "overlap_steps": True}
-    engine = _engine(embedded, **kw)  # stateless requests: each run leaves it as it found it
-    tok = embedded.tokenizer
+    engine = _engine(tiny, **kw)  # stateless requests: each run leaves it as it found it
+    tok = tiny.tokenizer
     prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "Roses are red,",
                "1, 2, 3,", "The weather today", "My favourite food"]
     free = [Request(f"f{i}", tok(p)["input_ids"],
@@ -70,17 +76,17 @@ def test_grammar_row_leaves_free_rows_unchanged(embedded, layout):
         assert ended.pop().finish_reason.value == "stop" and len(crowd["g"]) < 40
 
 
-def test_bad_grammar_changes_nothing(embedded):
-    engine = _engine(embedded)
+def test_bad_grammar_changes_nothing(tiny):
+    engine = _engine(tiny)
     bad = LLMatcher.grammar_from_json_schema(json.dumps({"type": "nonsense"}))
     with pytest.raises(EngineError) as err:
         engine.add_request(Request("bad", [2, 3, 4], SamplingParams(max_tokens=4, grammar=bad)))
     assert err.value.param == "response_format" and "nonsense" in err.value.message
     assert not engine.has_work()
     engine.check_invariants()
-    ids = embedded.tokenizer("Answer:")["input_ids"]
+    ids = tiny.tokenizer("Answer:")["input_ids"]
     out = run_all(engine, [Request("ok", ids, SamplingParams(max_tokens=3, grammar=LLMatcher.grammar_from_regex("[0-9]{3}")))])
-    assert embedded.tokenizer.decode(out["ok"]).isdigit() and len(embedded.tokenizer.decode(out["ok"])) == 3
+    assert tiny.tokenizer.decode(out["ok"]).isdigit() and len(tiny.tokenizer.decode(out["ok"])) == 3
 
 
 def _allowed(matcher, vocab: int) -> torch.Tensor:
@@ -91,16 +97,16 @@ def _allowed(matcher, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_grammar_row_with_penalties_and_logprobs(embedded, temperature):
+def test_grammar_row_with_penalties_and_logprobs(tiny, temperature):
     """A grammar row that also asks for penalties and logprobs: its reply parses under the
     schema, and each token's logprob and top logprobs are the log-softmax of the engine's own
     logits (recorded before sampling) penalized by the reference (penalties first), then masked
     by the grammar (a matcher of the same grammar fed the same tokens); every token is one the
     grammar allows, and a greedy token is the masked argmax. The mask and the penalties both
     change the numbers (the check would see either left out)."""
-    engine = _engine(embedded)
+    engine = _engine(tiny)
     rec = Recorder(engine)
-    tok = embedded.tokenizer
+    tok = tiny.tokenizer
     vocab = engine.geometry.vocab_size
     prompt = tok("A user record as JSON:")["input_ids"]
     params = SamplingParams(max_tokens=40, grammar=_grammar(), logprobs=3, presence_penalty=0.8,
@@ -137,11 +143,11 @@ def test_grammar_row_with_penalties_and_logprobs(embedded, temperature):
     assert masked_away and penalized
 
 
-def test_forked_choices_follow_the_grammar_each_on_its_own(embedded):
+def test_forked_choices_follow_the_grammar_each_on_its_own(tiny):
     """n = 3 with a grammar: the prompt's row and the grammar's matcher are forked after the
     prefill, and choice i gives exactly what a single request with seed + i gives; each parses."""
-    engine = _engine(embedded)
-    tok = embedded.tokenizer
+    engine = _engine(tiny)
+    tok = tiny.tokenizer
     prompt = tok("A user record as JSON:")["input_ids"]
     params = SamplingParams(max_tokens=40, grammar=_grammar(), temperature=1.0, seed=21, presence_penalty=0.3)
     alone = run_all(engine, [Request(f"s{i}", prompt, replace(params, seed=21 + i)) for i in range(3)])

@@ -14,7 +14,7 @@ from engine.core.types import fork_id
 from engine.model.loader import LoadedModel
 from tests.engine import test_forks
 from tests.engine.test_logits_process import ASKING, PROMPTS, reference_process, run
-from tests.helpers import tiny_loaded
+from tests.helpers import byte_tokenizer, tiny_loaded
 from tests.scenarios import OVERLAP_BASE, Recorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -85,22 +85,6 @@ def test_cuda_forked_choices_equal_single_seeded_requests():
     assert [toks[fork_id("p", i)] for i in range(3)] == [want[f"s{i}"] for i in range(3)]
     assert len({tuple(v) for v in want.values()}) == 3
     assert engine.stats["prefill_tokens"] == len(prompt) + 3 and engine.pool.used_rows() == []
-
-
-def byte_tokenizer():
-    """A byte-level BPE tokenizer of the tiny model's 512 ids (0 pad, 1 eos, 2 bos), trained here
-    on JSON-like text, so that grammar masks can be built for a model that fits any test."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [json.dumps({"name": f"user{i}", "ok": i % 2 == 0, "n": i * 37}) for i in range(400)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    assert tok.get_vocab_size() <= 512 and tok.token_to_id("<eos>") == 1
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
 
 
 def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
