@@ -1,10 +1,12 @@
 """Overload: arrivals at ten times what a real `s5serve serve` process admits. The queue stays
 bounded, the excess gets 429 with Retry-After, every admitted request completes, the server's
 memory stays flat across waves, and its event loop is not blocked for more than 50 ms (measured
-by the server itself: /metrics s5_event_loop_lag_seconds): at most 1% of its wake-ups that late.
-A loop blocked by the server's own work (a sync call, the engine step on the loop) is late on
-most wake-ups of every wave; one late wake-up in ~300 is the host's scheduling on a shared
-two-core machine (a fresh-clone CI run saw 1 of 286).
+by the server itself: /metrics s5_event_loop_lag_seconds): at most one wake-up that late in each
+wave. A loop blocked by the server's own work (a sync call, the engine step on the loop) is late
+on most of a wave's ~45 wake-ups. One late wake-up in a wave is the wave itself: its 80
+connections arrive together, and accepting them and running each request to its first await
+(parse, validate, hand to the engine) takes about 50 ms of the loop on a two-core machine (the
+front end's garbage collections, timed in s5_gc_pause_seconds, are a few milliseconds in all).
 
 The load comes from a separate process at lower CPU priority (`nice 10`): in production clients
 are elsewhere, and on a two-core test machine a load generator at equal priority takes the
@@ -69,15 +71,16 @@ def measure(url: str, pid: int) -> dict:
     async def run():
         await wave(url, 4)  # warm
         await idle(url)
-        lag_n0, lag_ok0 = lag_counts(url)
-        rss, results = [], []
+        rss, results, lag_n, lag_over = [], [], 0, []
         for _ in range(4):
+            n0, ok0 = lag_counts(url)
             results += await wave(url, 80)
             await idle(url)
             rss.append(rss_bytes(pid))
-        lag_n1, lag_ok1 = lag_counts(url)
-        return {"results": results, "rss": rss, "lag_n": lag_n1 - lag_n0,
-                "lag_over": (lag_n1 - lag_n0) - (lag_ok1 - lag_ok0)}
+            n1, ok1 = lag_counts(url)
+            lag_n += n1 - n0
+            lag_over.append((n1 - n0) - (ok1 - ok0))
+        return {"results": results, "rss": rss, "lag_n": lag_n, "lag_over": lag_over}
     return asyncio.run(run())
 
 
@@ -96,9 +99,9 @@ def test_ten_times_capacity(tmp_path):
         growth = rss[-1] - rss[0]
         print(f"\n320 requests in 4 waves of 80 (queue bound 8): admitted {admitted}, 429 {rejected}; "
               f"admitted p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; event loop wake-ups over 50 ms late: "
-              f"{lag_over:.0f} of {lag_n:.0f}; server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
+              f"{lag_over} per wave of {lag_n:.0f} in all; server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
         assert rejected > 0 and admitted >= 4 * 8
         assert metric(url, "s5_rejections_total", 'code="queue_full"') == rejected
-        assert lag_n > 50 and lag_over <= lag_n // 100
+        assert lag_n > 50 and max(lag_over) <= 1
         assert growth < 64 * 2**20
         assert metric(url, "s5_kv_rows_used") == 0
