@@ -56,8 +56,8 @@ class EngineConfig:
     fused_layers: bool = True
     # bitsandbytes 4-bit linears repacked into the engine's NF4 linears, which the fused forward
     # runs on its own dequantize-and-multiply kernels (model/nf4_linear.py, kernels/nf4.py).
-    # Off by default until measured on a GPU: 4-bit models then run bitsandbytes' own layers.
-    nf4_kernels: bool = False
+    # False runs bitsandbytes' own layers.
+    nf4_kernels: bool = True
     # Launch the engine's Triton kernels with programmatic dependent launch where the GPU supports
     # it (compute capability 9.0+, kernels/launch.py): each kernel is scheduled while the one
     # before it runs and waits on the device for its results, so small decode kernels do not pay
