@@ -6,6 +6,8 @@ developer or assistant; content a string or `input_text` parts); `instructions` 
 message before it. Everything is rendered with the tokenizer's chat template, as
 /v1/chat/completions renders messages. Parameters of the API that this server does not implement
 answer 400 `unsupported_parameter` naming the parameter when they ask for something.
+`text.format` `json_object` and `json_schema` constrain the reply as `response_format` does on
+/v1/chat/completions (service/structured.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine import FinishReason, SamplingParams
 from service.errors import APIError, valid_text
 from service.schemas import INT64
+from service.structured import ANY_OBJECT, json_grammar
 
 DEFAULT_MAX_OUTPUT_TOKENS = 256  # as the other generation routes, when the request sets none
 
@@ -42,11 +45,31 @@ UNSUPPORTED: dict[str, Any] = {
 
 
 def _text_refused(text: dict) -> str | None:
-    """The part of `text` that asks for something other than plain text, if any."""
+    """The part of `text` that asks for something this server does not do, if any."""
     fmt = text.get("format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
         return "text.format"
     return next((f"text.{k}" for k, v in text.items() if k != "format" and v is not None), None)
+
+
+def text_format(body: ResponsesRequest) -> dict:
+    """`text.format` as the response echoes it (plain text when the body names none)."""
+    fmt = ((body.model_extra or {}).get("text") or {}).get("format")
+    return fmt if isinstance(fmt, dict) else {"type": "text"}
+
+
+def text_grammar(body: ResponsesRequest) -> str | None:
+    """The grammar `text.format` asks for: any JSON object (`json_object`), JSON that follows
+    `schema` (`json_schema`, which names its format in `name`), or None for plain text."""
+    fmt = text_format(body)
+    if fmt["type"] == "json_object":
+        return json_grammar(ANY_OBJECT, "text.format")
+    if fmt["type"] != "json_schema":
+        return None
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+        raise APIError(400, "text.format: a json_schema format needs a name", "invalid_request", "text.format.name")
+    schema = fmt.get("schema")
+    return json_grammar(ANY_OBJECT if schema is None else schema, "text.format")
 
 
 class ResponsesRequest(BaseModel):
@@ -131,12 +154,13 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
     return messages
 
 
-def sampling(body: ResponsesRequest, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+def sampling(body: ResponsesRequest, stop_token_ids: tuple[int, ...], grammar: str | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=body.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         stop_token_ids=stop_token_ids,
+        grammar=grammar,
     )
 
 
@@ -172,7 +196,7 @@ def response_object(response_id: str, created: int, model: str, body: ResponsesR
         "model": model, "output": output, "parallel_tool_calls": True,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
         "service_tier": "default", "store": body.store, "temperature": params.temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_logprobs": 0,
+        "text": {"format": text_format(body)}, "tool_choice": "auto", "tools": [], "top_logprobs": 0,
         "top_p": params.top_p, "truncation": "disabled", "usage": usage_, "user": body.user,
         "metadata": body.metadata or {},
     }

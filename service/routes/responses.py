@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 
 from engine import FinishReason
 from engine.client import EngineDead
-from service import chat
+from service import chat, structured
 from service import responses as rs
 from service.auth import tenant
 from service.errors import APIError
@@ -36,7 +36,7 @@ from service.turns import check_model, collect, engine_call, open_session, rende
 router = APIRouter(prefix="/v1/responses", responses=ERROR_RESPONSES)
 _encode = msgspec.json.Encoder().encode
 # what the engine and the chat template call this API's parameters in their errors
-_PARAMS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
+_PARAMS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input", "response_format": "text.format"}
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -138,7 +138,10 @@ async def create_response(body: rs.ResponsesRequest, request: Request, owner: st
     if st.tokenizer is None:
         raise APIError(400, "this model has no tokenizer", "invalid_request")
     messages = rs.input_messages(body)
-    params = rs.sampling(body, st.end_of_turn_ids)
+    grammar = rs.text_grammar(body)
+    if grammar is not None:
+        grammar = await structured.checked(st, grammar, "text.format")
+    params = rs.sampling(body, st.end_of_turn_ids, grammar)
     try:
         plan, turn = await _start(st, body, messages, params, owner)
     except APIError as err:  # the engine's and the chat template's names for this API's parameters

@@ -4,9 +4,11 @@ that continues another reuses its session's row (cached tokens reported) and say
 faces) gives the non-streamed text; stored responses are retrieved, listed and deleted, unstored
 ones cannot be; bad input answers 400 naming the parameter and leaves no session behind."""
 
+import json
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -148,7 +150,9 @@ BAD = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "nonsense"}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
@@ -247,3 +251,44 @@ def test_deleting_a_response_keeps_the_session_its_continuations_use(server):
     assert sessions(server) == before  # the third still uses the session
     client.responses.delete(third.id)
     assert sessions(server) == before - 1
+
+
+RECORD = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string",
+                                                                                                "maxLength": 20}},
+          "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_text_format_json_schema_follows_the_schema_as_chat_response_format_does(server):
+    """`text.format` json_schema (the Responses API's flat form) constrains the reply to the
+    schema; the text equals /v1/chat/completions with `response_format` json_schema on the same
+    conversation, streamed or not, and the response echoes its format. The SDK's `parse` reads it
+    back into a model."""
+    from pydantic import BaseModel
+
+    client = sdk(server)
+    fmt = {"type": "json_schema", "name": "record", "schema": RECORD, "strict": True}
+    ask = [{"role": "user", "content": "Name a city and its country as JSON."}]
+    got = client.responses.create(input=ask, text={"format": fmt}, model="", max_output_tokens=40, temperature=0)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": ask, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD}}})
+    assert r.status_code == 200, r.text
+    assert got.output_text == r.json()["choices"][0]["message"]["content"]
+    record = json.loads(got.output_text)
+    jsonschema.validate(record, RECORD)
+    assert got.status == "completed" and got.text.format.type == "json_schema" and got.text.format.name == "record"
+    with client.responses.stream(input=ask, text={"format": fmt}, model="", max_output_tokens=40,
+                                 temperature=0) as stream:
+        assert stream.get_final_response().output_text == got.output_text
+
+    class Record(BaseModel):
+        city: str
+        country: str
+
+    parsed = client.responses.parse(input=ask, text_format=Record, model="", max_output_tokens=40, temperature=0)
+    assert isinstance(parsed.output_parsed, Record) and parsed.output_parsed.city
+    free = client.responses.create(input=ask, text={"format": {"type": "json_object"}}, model="",
+                                   max_output_tokens=40, temperature=0)
+    assert free.output_text.startswith("{") and free.text.format.type == "json_object"
+    if free.status == "completed":  # else cut by max_output_tokens (an object with no schema can run on)
+        assert isinstance(json.loads(free.output_text), dict)
