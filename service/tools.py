@@ -15,8 +15,13 @@ schema of a call to any listed function, or to that one, with its `parameters` s
 call is always valid JSON for the function's parameters. `auto` constrains it to "text that does
 not start with `{`, or such a call": a reply that starts a JSON object is a valid call, any other
 is plain text. `none` renders no tools and constrains nothing (past calls and results are still
-rendered). A reply that is a call answers `tool_calls` (finish reason `tool_calls`); one call per
-reply (`parallel_tool_calls` is accepted; the model makes one call).
+rendered). A reply that is a call answers `tool_calls` (finish reason `tool_calls`).
+
+With `parallel_tool_calls: true` a reply may hold several calls, one JSON object per line; the
+grammar lets the model end after any call or start another on a new line, and the reply is calls
+only if every line is one. Left out or false, a reply holds one call, as it does under a named
+`tool_choice` (that function, once). OpenAI's API defaults to true; this server defaults to one
+call because a small model that may add calls tends to repeat its call until max_tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class ToolSetup:
     functions: tuple[dict, ...]  # {"name", "description"?, "parameters"?} per tool, as sent
     choice: str  # "auto" | "required" | "named"
     name: str | None = None  # the function a named choice forces
+    parallel: bool = False  # several calls in one reply, one per line
 
     @property
     def forced(self) -> bool:
@@ -62,11 +68,12 @@ class ToolSetup:
         """The llguidance grammar a reply under this setup follows."""
         from llguidance import LLMatcher
 
-        if self.forced:
+        if self.forced and not self.parallel:
             return json_grammar(self.call_schema(), "tool_choice")
         schema = {**self.call_schema(), "x-guidance": JSON_OPTIONS}
-        lark = f"start: TEXT | call\nTEXT: /[^{{\\s][\\s\\S]*/\ncall: %json {json.dumps(schema)}\n"
-        return LLMatcher.grammar_from_lark(lark)
+        calls = 'calls: call ("\\n" call)*' if self.parallel else "calls: call"
+        start = "start: calls" if self.forced else "start: TEXT | calls\nTEXT: /[^{\\s][\\s\\S]*/"
+        return LLMatcher.grammar_from_lark(f"{start}\n{calls}\ncall: %json {json.dumps(schema)}\n")
 
 
 def setup_of(body) -> ToolSetup | None:
@@ -91,18 +98,21 @@ def setup_of(body) -> ToolSetup | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise _bad(PARAM, "function names must be unique")
+    parallel = extra.get("parallel_tool_calls", False)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "must be true or false")
     if choice in (None, "auto"):
-        return ToolSetup(tuple(functions), "auto")
+        return ToolSetup(tuple(functions), "auto", parallel=parallel)
     if choice == "none":
         return None
     if choice == "required":
-        return ToolSetup(tuple(functions), "required")
+        return ToolSetup(tuple(functions), "required", parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(name, str):
         raise _bad("tool_choice", "must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
     if name not in names:
         raise _bad("tool_choice", f"no tool named {name!r}")
-    return ToolSetup(tuple(functions), "named", name)
+    return ToolSetup(tuple(functions), "named", name, parallel=False)  # that function, called once
 
 
 def uses_tools(messages: list[Message]) -> bool:
@@ -138,9 +148,10 @@ def preamble(setup: ToolSetup) -> str:
     ask = (f"You must call the function {setup.name}." if setup.choice == "named" else
            "You must call one of these functions." if setup.choice == "required" else
            "Call a function when it helps; otherwise answer in plain text.")
+    several = " To call several at once, put each call's JSON object on a line of its own." if setup.parallel else ""
     return ("You can call functions. To call one, reply with only a JSON object "
-            '{"name": <function name>, "arguments": <arguments object>} and nothing else. '
-            f"{ask}\nFunctions:\n{listed}")
+            '{"name": <function name>, "arguments": <arguments object>} and nothing else.'
+            f"{several} {ask}\nFunctions:\n{listed}")
 
 
 def template_messages(tok, messages: list[Message], setup: ToolSetup | None) -> tuple[list[dict], list[dict] | None]:
@@ -181,21 +192,24 @@ def template_messages(tok, messages: list[Message], setup: ToolSetup | None) -> 
     return out, None
 
 
-def parse_call(text: str, setup: ToolSetup) -> dict | None:
-    """The reply as an OpenAI tool call, or None when it is not one (plain text, or a call cut
-    short by max_tokens)."""
-    s = text.strip()
-    if not s.startswith("{"):
-        return None
-    try:
-        obj = json.loads(s)
-    except ValueError:
+def parse_calls(text: str, setup: ToolSetup) -> list[dict] | None:
+    """The reply as OpenAI tool calls (one per line, several only where the setup allows), or
+    None when it is not calls (plain text, or a call cut short by max_tokens)."""
+    lines = [line.strip() for line in text.strip().split("\n") if line.strip()]
+    if not lines or not lines[0].startswith("{") or (len(lines) > 1 and not setup.parallel):
         return None
     names = {f["name"] for f in setup.functions}
-    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+    calls = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
+            return None
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}})
+    return calls
 
 
 class CallStream:
@@ -220,10 +234,10 @@ class CallStream:
                 return out
         return ""
 
-    def end(self) -> tuple[str, dict | None]:
-        """(content still to send, the call) once the reply is complete."""
-        call = parse_call(self.held, self.setup) if self.held else None
-        if call is not None:
-            return "", call
+    def end(self) -> tuple[str, list[dict] | None]:
+        """(content still to send, the calls) once the reply is complete."""
+        calls = parse_calls(self.held, self.setup) if self.held else None
+        if calls is not None:
+            return "", calls
         out, self.held = self.held, ""
         return out, None

@@ -193,9 +193,9 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             place = _Choice(i, echo)
             finish = _finish(last.finish_reason if last else None)
             message = {"role": "assistant", "content": text}
-            call = tools.parse_call(text, calls) if calls is not None else None
-            if call is not None:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            made = tools.parse_calls(text, calls) if calls is not None else None
+            if made is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
             choice = {"index": i, "finish_reason": finish,
                       "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
             choice.update({"message": message} if chat else {"text": echo + text})
@@ -226,16 +226,19 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         place.first = False
         return sse.event({**head, "choices": [choice]})
 
-    def call_chunks(place: _Choice, call: dict) -> list[bytes]:
-        """A tool call in OpenAI's delta format: its id, type and name (with the reply's token ids
-        and logprobs), then its arguments, then the finish."""
-        opening = {"index": 0, "id": call["id"], "type": "function",
-                   "function": {"name": call["function"]["name"], "arguments": ""}}
-        lead = {"role": "assistant", "content": None} if place.first else {}
-        arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-        return [chunk(place, None, None, place.ids, place.lps, delta={**lead, "tool_calls": [opening]}),
-                chunk(place, None, None, delta={"tool_calls": [arguments]}),
-                chunk(place, None, "tool_calls", delta={})]
+    def call_chunks(place: _Choice, made: list[dict]) -> list[bytes]:
+        """Tool calls in OpenAI's delta format: per call, its index, id, type and name (the first
+        with the reply's token ids and logprobs), then its arguments; then the finish."""
+        out = []
+        for k, call in enumerate(made):
+            opening = {"index": k, "id": call["id"], "type": "function",
+                       "function": {"name": call["function"]["name"], "arguments": ""}}
+            lead = {"role": "assistant", "content": None} if place.first else {}
+            arguments = {"index": k, "function": {"arguments": call["function"]["arguments"]}}
+            out += [chunk(place, None, None, place.ids if k == 0 else None, place.lps if k == 0 else None,
+                          delta={**lead, "tool_calls": [opening]}),
+                    chunk(place, None, None, delta={"tool_calls": [arguments]})]
+        return out + [chunk(place, None, "tool_calls", delta={})]
 
     async def events():
         failed = False
@@ -248,16 +251,16 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
                 failed = True
                 break
             # token ids and logprobs go out with the text they make (held text: when it is released)
-            text, call = out.text, None
+            text, made = out.text, None
             place.ids += out.token_ids
             place.lps += out.logprobs or ()
             if place.held is not None:
                 text = place.held.feed(text)
                 if out.finished:
-                    rest, call = place.held.end()
+                    rest, made = place.held.end()
                     text += rest
-            if call is not None:
-                for c in call_chunks(place, call):
+            if made is not None:
+                for c in call_chunks(place, made):
                     yield c
                 continue
             holding = place.held is not None and place.held.holding is not False and not out.finished

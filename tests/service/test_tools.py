@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from service.errors import APIError
 from service.schemas import ChatCompletionRequest
-from service.tools import CallStream, parse_call, preamble, setup_of, template_messages
+from service.tools import CallStream, call_text, parse_calls, preamble, setup_of, template_messages
+from tests.helpers import byte_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -95,9 +96,55 @@ def test_streamed_reply_splits_text_and_call():
     assert s.feed("Hello") == "Hello" and s.feed(" there") == " there" and s.end() == ("", None)
     s = CallStream(auto)
     assert s.feed('{"name": "get_weather", ') == "" and s.feed('"arguments": {"city": "Oslo"}}') == ""
-    rest, call = s.end()
+    rest, (call,) = s.end()
     assert rest == "" and call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"} and call["id"].startswith("call_")
     s = CallStream(auto)  # a call cut short is text after all
     assert s.feed('{"name": "get_w') == "" and s.end() == ('{"name": "get_w', None)
-    assert parse_call('{"name": "other", "arguments": {}}', auto) is None
+    assert parse_calls('{"name": "other", "arguments": {}}', auto) is None
+
+
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def test_parallel_calls_are_one_per_line_and_only_where_allowed():
+    """With `parallel_tool_calls: true` the grammar takes several calls, one per line, and the
+    reply parses as that many calls, streamed or not; left out or false it takes exactly one, as
+    a named choice does. The grammars are run on a real matcher, token by token."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    tok = byte_tokenizer()
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=512, eos_token=1)
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = LLMatcher(lltok, grammar)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    one_call = call_text("get_weather", {"city": "Oslo"})
+    two_calls = one_call + "\n" + call_text("get_time", {"zone": "CET"})
+    for choice in ("auto", "required"):
+        parallel = setup_of(_body(tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=True))
+        single = setup_of(_body(tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=False))
+        assert parallel.parallel and not single.parallel
+        assert not setup_of(_body(tools=[WEATHER, CLOCK], tool_choice=choice)).parallel
+        assert accepts(parallel.grammar(), two_calls) and accepts(parallel.grammar(), one_call)
+        assert accepts(single.grammar(), one_call) and not accepts(single.grammar(), two_calls)
+        assert not accepts(parallel.grammar(), one_call + "\n" + '{"name": "get_time", "arguments": {}}')
+        made = parse_calls(two_calls, parallel)
+        assert [c["function"]["name"] for c in made] == ["get_weather", "get_time"]
+        assert len({c["id"] for c in made}) == 2 and json.loads(made[1]["function"]["arguments"]) == {"zone": "CET"}
+        assert parse_calls(two_calls, single) is None
+        s = CallStream(parallel)
+        assert s.feed(two_calls[:30]) == "" and s.feed(two_calls[30:]) == ""
+        rest, made = s.end()
+        assert rest == "" and [c["function"]["name"] for c in made] == ["get_weather", "get_time"]
+    assert "on a line of its own" in preamble(parallel) and "on a line of its own" not in preamble(single)
+    named = setup_of(_body(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                           parallel_tool_calls=True))
+    assert not named.parallel and not accepts(named.grammar(), call_text("get_time", {"zone": "CET"}) + "\n" +
+                                                      call_text("get_time", {"zone": "UTC"}))
+    with pytest.raises(APIError) as err:
+        setup_of(_body(tools=[WEATHER], parallel_tool_calls="yes"))
+    assert err.value.status == 400 and err.value.param == "parallel_tool_calls"
