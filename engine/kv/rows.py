@@ -20,12 +20,14 @@ for staged ring layers until its last chunk (see policy.py); staging is transien
 
 Verbs check before they commit (`can_allocate_row` / `allocate_row`, `can_reserve` / `reserve`,
 `can_fork` / `fork`),
-and `check_invariants()` verifies: free + used == total for rows and blocks, no block owned twice,
+and `check_invariants()` verifies: free + used == total for rows and blocks, no block held by two
+rows except as counted (forks share their prompt's full blocks) and below each holder's length,
 bytes accounted == bytes allocated, and every ring slot holds the position that maps to it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -180,6 +182,10 @@ class RowPool:
         self._rows: dict[int, RowState] = {}
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
         self._free_blocks: list[int] = list(range(num_blocks - 1, 0, -1))
+        # Blocks more than one row holds (forks share their prompt's full blocks): block -> rows.
+        # A shared block is never written: it lies below every holder's length, and the rows that
+        # share one (n completions of one stateless request) only grow until they are freed.
+        self._shared: dict[int, int] = {}
 
     @classmethod
     def sized(cls, layouts: list[LayerLayout], kv_shapes: list[tuple[int, int]], dtype: torch.dtype,
@@ -236,13 +242,22 @@ class RowPool:
         state = self._rows[row]
         keep = self.blocks_for(state.kv_len)
         while len(state.blocks) > keep:
-            self._free_blocks.append(state.blocks.pop())
+            self._release(state.blocks.pop())
 
     def free_row(self, row: int) -> None:
         state = self._rows.pop(row)
-        self._free_blocks.extend(reversed(state.blocks))
+        for block in reversed(state.blocks):
+            self._release(block)
         self._clear_rings(row)
         self._free_rows.append(row)
+
+    def _release(self, block: int) -> None:
+        """A row lets go of `block`: free once no row holds it."""
+        holders = self._shared.pop(block, 1)
+        if holders > 2:
+            self._shared[block] = holders - 1
+        elif holders == 1:
+            self._free_blocks.append(block)
 
     def _clear_rings(self, row: int) -> None:
         for ring in self.rings:
@@ -265,9 +280,11 @@ class RowPool:
                 and b.kv_len == 0 and len(b.blocks) >= self.blocks_for(a.kv_len))
 
     def fork(self, src: int, dst: int) -> None:
-        """Copy everything `src` holds into the fresh row `dst` (allocated and reserved by the
-        caller, empty): its ring slots and their positions, and its paged positions' K/V into
-        `dst`'s own blocks. The rows share nothing afterwards."""
+        """Make the fresh row `dst` (allocated and reserved by the caller, empty) hold what `src`
+        holds: its ring slots and their positions are copied; its full paged blocks are shared
+        (copy-on-write without the copy: nothing writes below a row's length), and `dst` gives
+        back the blocks it had reserved in their place; the positions of `src`'s last, partial
+        block are copied into `dst`'s own block, where both rows go on writing."""
         if not self.can_fork(src, dst):
             raise RuntimeError(f"row {src} cannot be forked into row {dst}")
         kv_len = self._rows[src].kv_len
@@ -275,9 +292,15 @@ class RowPool:
             a, b = self._ring_range(src, i), self._ring_range(dst, i)
             self.k[i][b] = self.k[i][a]
             self.v[i][b] = self.v[i][a]
-        if self.paged_layers and kv_len:
-            from_slots = torch.from_numpy(self.paged_slots(src, 0, kv_len)).to(self.device)
-            to_slots = torch.from_numpy(self.paged_slots(dst, 0, kv_len)).to(self.device)
+        full = kv_len // self.block_size if self.paged_layers else 0
+        ours, theirs = self._rows[dst].blocks, self._rows[src].blocks
+        for k in range(full):
+            self._release(ours[k])
+            ours[k] = theirs[k]
+            self._shared[ours[k]] = self._shared.get(ours[k], 1) + 1
+        if self.paged_layers and kv_len > full * self.block_size:
+            from_slots = torch.from_numpy(self.paged_slots(src, full * self.block_size, kv_len)).to(self.device)
+            to_slots = torch.from_numpy(self.paged_slots(dst, full * self.block_size, kv_len)).to(self.device)
             for i in self.paged_layers:
                 self.k[i].index_copy_(0, to_slots, self.k[i].index_select(0, from_slots))
                 self.v[i].index_copy_(0, to_slots, self.v[i].index_select(0, from_slots))
@@ -498,13 +521,18 @@ class RowPool:
         assert len(free) == len(self._free_rows), "a row is free twice"
         assert used | free == set(range(self.num_rows)), "rows leaked"
         owned: list[int] = [b for s in self._rows.values() for b in s.blocks]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
+        holders = Counter(owned)
+        assert {b: n for b, n in holders.items() if n > 1} == self._shared, "a block is held by rows it does not count"
+        for row, state in self._rows.items():  # a shared block lies below each holder's length
+            assert all((k + 1) * self.block_size <= state.kv_len
+                       for k, b in enumerate(state.blocks) if b in self._shared), "a shared block can be written"
+        owned = list(holders)
         assert not set(owned) & set(self._free_blocks), "a block is both owned and free"
         assert len(set(self._free_blocks)) == len(self._free_blocks), "a block is free twice"
         if self.paged_layers:
             assert 0 not in owned and 0 not in self._free_blocks, "the zero block escaped"
             assert len(owned) + len(self._free_blocks) == self.num_blocks - 1, "blocks leaked"
-        accounted = sum(len(s.blocks) for s in self._rows.values()) * self.block_bytes
+        accounted = len(owned) * self.block_bytes
         accounted += len(self._free_blocks) * self.block_bytes if self.paged_layers else 0
         accounted += self.num_rows * self.ring_row_bytes
         assert accounted == self.allocated_bytes(), "bytes accounted != bytes allocated"

@@ -109,13 +109,24 @@ def test_fork_copies_a_row_exactly_and_refuses_what_it_cannot_do(windows):
     assert pool.kv_len(dst) == 0
     pool.reserve(dst, 30)
     assert pool.can_fork(src, dst) and not pool.can_fork(src, src) and not pool.can_fork(dst, src)
+    free = pool.num_free_blocks
     pool.fork(src, dst)
     a, b = pool.contents(src), pool.contents(dst)
     assert a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3]))
-    assert not set(pool.row(src).blocks) & set(pool.row(dst).blocks)  # nothing shared
+    # the 5 full blocks of positions 0..19 are shared (dst gave back the 5 it had reserved); the
+    # partial block of 20..22 and the blocks after it are each row's own
+    assert pool.row(src).blocks[:5] == pool.row(dst).blocks[:5] and pool.num_free_blocks == free + 5
+    assert not set(pool.row(src).blocks[5:]) & set(pool.row(dst).blocks[5:])
     pool.check_invariants()
     assert not pool.can_fork(src, dst)  # no longer empty
+    slot = torch.from_numpy(pool.paged_slots(dst, 23, 24))  # dst writes its next position: src unchanged
+    for layer in pool.paged_layers:
+        pool.write(layer, slot, torch.ones(1, 2, 8), torch.ones(1, 2, 8))
+    pool.commit(dst, 24, 23, True)
+    assert all(torch.equal(x, y) for x, y in zip(a[2] + a[3], pool.contents(src)[2] + pool.contents(src)[3]))
     pool.free_row(src)
-    assert pool.contents(dst)[0] == 23
+    pool.check_invariants()
+    assert pool.contents(dst)[0] == 24 and all(torch.equal(x[:23], y) for x, y in zip(pool.contents(dst)[2], b[2]))
     pool.free_row(dst)
     pool.check_invariants()
+    assert pool.num_free_blocks == 19
