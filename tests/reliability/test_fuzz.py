@@ -1,7 +1,7 @@
 """Negative and positive fuzzing of the HTTP API from the app's own OpenAPI schema (schemathesis):
 no 5xx, responses conform to the schema, invalid input is rejected. `FUZZ_EXAMPLES` examples per
 operation and mode (positive and negative; operations with few distinct inputs run fewer): the
-default 300 gives over 2,000 cases (`S5_FUZZ_EXAMPLES` changes it). Every case's status is counted
+default 150 gives over 1,000 cases, S5_FUZZ_EXAMPLES=300 over 2,000. Every case's status is counted
 and printed at the end."""
 
 import os
@@ -18,7 +18,7 @@ from engine import EngineConfig
 from service.settings import Settings
 from tests.servers import LiveServer, free_port
 
-FUZZ_EXAMPLES = int(os.environ.get("S5_FUZZ_EXAMPLES", "300"))
+FUZZ_EXAMPLES = int(os.environ.get("S5_FUZZ_EXAMPLES", "150"))
 
 
 @pytest.fixture(scope="module")
@@ -73,5 +73,5 @@ def test_api_fuzz(fuzz_server):
     assert not any(s >= 500 for s in statuses)
     assert statuses[200] > 0 and statuses[400] > 0  # both served and refused cases were generated
     assert cases >= 2 * FUZZ_EXAMPLES * 3  # at least the generation routes x both modes ran in full
-    if FUZZ_EXAMPLES >= 300:
-        assert cases >= 2000
+    if FUZZ_EXAMPLES >= 150:
+        assert cases >= 1000 * FUZZ_EXAMPLES // 150
