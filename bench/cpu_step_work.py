@@ -14,14 +14,12 @@ steps that follow; the table gives the median over the repeats and fused / stock
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
 
+from bench.throughput import write_result
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model.loader import load_model
 
@@ -77,13 +75,9 @@ def main() -> None:
                      "runs": {k: runs[f"{n}/{k}"] for k in ("fused", "stock")}})
         print(f"{n:>3} {med['fused'][0] * 1e3:>12.1f} {med['stock'][0] * 1e3:>12.1f} {ratio:>11.3f} "
               f"{med['fused'][1] * 1e3:>13.1f} {med['stock'][1] * 1e3:>13.1f}")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"cpu-step-work-embedded-{a.weights}-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
     result = {"bench": "cpu_step_work", "weights": a.weights, "threads": 1, "new_tokens": a.new_tokens,
               "prompt_len": a.prompt_len, "repeats": a.repeats, "torch": torch.__version__, "rows": rows}
-    (out / name).write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / name}")
+    write_result(a.out, f"cpu-step-work-embedded-{a.weights}", result, a.tag)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,12 @@ import json
 import os
 import statistics
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
 import transformers
 from llguidance import LLMatcher
 
-from bench.throughput import cpu_name, git_commit, source_digest
+from bench.throughput import cpu_name, git_commit, source_digest, write_result
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model.loader import load_model
 from engine.runner.sampler import pick_tokens
@@ -130,7 +128,7 @@ def main() -> None:
                   "quantization": a.quantization, "n": a.n, "sampled": a.sampled, "schema": SCHEMA,
                   "grammar_row_cpu_ms_per_step": row_ms, "compile": compile,
                   "load_average_at_end": os.getloadavg(), "versions": versions}
-        _write(a, result, "-row")
+        write_result(a.out, "grammar-row-row-cpu-embedded", result, a.tag)
         return
     decode_rate(engine, a.n, 2, grammar, a.sampled, loaded.tokenizer)  # warm-up
     pairs = []
@@ -153,15 +151,7 @@ def main() -> None:
               "wall_ratio_median": wall_ratio, "cpu_ratio_median": cpu_ratio, "grammar_row_cpu_ms_per_step": row_ms,
               "free_step_cpu_ms_median": step_cpu_ms, "pairs": pairs, "compile": compile,
               "load_average_at_end": os.getloadavg(), "versions": versions}
-    _write(a, result, "")
-
-
-def _write(a, result: dict, kind: str) -> None:
-    tag = "-" + a.tag if a.tag else ""
-    out = Path(a.out) / f"grammar-row{kind}-cpu-embedded-{date.today().isoformat()}{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(a.out, "grammar-row-cpu-embedded", result, a.tag)
 
 
 if __name__ == "__main__":

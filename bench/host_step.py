@@ -21,15 +21,12 @@ is built on the device and a chunk attends in one call.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
 import transformers
 
-from bench.throughput import cpu_name, git_commit, source_digest
+from bench.throughput import cpu_name, git_commit, source_digest, write_result
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model.loader import LoadedModel, tiny_random_model
 
@@ -111,11 +108,7 @@ def main() -> None:
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "commit": git_commit(), "engine_source_sha256": source_digest()},
               "rows": rows}
-    kind = "host-prefill-step" if a.prefill else "host-step"
-    out = Path(a.out) / f"{kind}-cpu-{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(a.out, f"{'host-prefill-step' if a.prefill else 'host-step'}-cpu", result, a.tag)
 
 
 if __name__ == "__main__":

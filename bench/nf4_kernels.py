@@ -12,15 +12,12 @@ of its weights (128 MB or more in all) so that, as in a forward, they are not se
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from datetime import date
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
+from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest, write_result
 from engine.kernels import nf4, nf4_plan
 from engine.kernels.small_linear import graph_ms
 
@@ -99,11 +96,7 @@ def main() -> None:
               "copy_read_bandwidth_bytes_s": bw, "rows": rows,
               "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__, "commit": git_commit(),
                            "engine_source_sha256": source_digest()}}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"nf4-kernels-{a.shape}-{date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_result(a.out, f"nf4-kernels-{a.shape}", result)
 
 
 if __name__ == "__main__":

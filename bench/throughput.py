@@ -255,6 +255,15 @@ def git_commit() -> str | None:
         return None
 
 
+def write_result(out_dir: str | Path, stem: str, result: dict, tag: str = "") -> Path:
+    """`result` as `<out_dir>/<stem>-<today>[-<tag>].json`; says where it went."""
+    path = Path(out_dir) / f"{stem}-{date.today().isoformat()}{'-' + tag if tag else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -411,13 +420,8 @@ def main() -> None:
                      "greedy": True, "ignore_eos": True, "threads": torch.get_num_threads()},
         "rows": rows, "quality": qualities,
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if a.device.startswith("cuda") else "cpu"
-    name = f"throughput-{tag}-{a.shape + '-' if a.shape else ''}{date.today().isoformat()}{'-' + a.tag if a.tag else ''}.json"
-    path = out / name
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    write_result(a.out, f"throughput-{kind}{'-' + a.shape if a.shape else ''}", result, a.tag)
 
 
 if __name__ == "__main__":
