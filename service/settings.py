@@ -19,7 +19,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
-from engine.core.config import DTYPES, KV_POLICIES, EngineConfig
+from engine.core.config import CPU_KERNELS, DTYPES, KV_POLICIES, EngineConfig
 
 ENV_PREFIX = "S5_"
 
@@ -148,6 +148,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "where the embedded model is converted to and the int8 CPU kernel is built",
            parse=lambda s: s or None, default=None, show=_none_or(str, "$XDG_CACHE_HOME/s5serve or ~/.cache/s5serve"),
            metavar="DIR"),
+    Option("--cpu-kernel", "engine.cpu_kernel",
+           "int8 CPU kernel: auto (AVX-512 VNNI where the CPU has it, else AVX2), avx512-vnni or avx2; "
+           "every choice gives the same results", choices=CPU_KERNELS),
     Option("--max-model-len", "engine.max_model_len", "longest context (prompt + output) in tokens",
            parse=_parse_int_or_auto, show=_none_or(str, "the model's maximum"), metavar="TOKENS"),
     # KV rows and scheduling

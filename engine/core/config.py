@@ -7,6 +7,7 @@ from dataclasses import dataclass
 KV_POLICIES = ("s5", "native", "full", "sink-window")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "bnb-4bit")
+CPU_KERNELS = ("auto", "avx512-vnni", "avx2")
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class EngineConfig:
     model: str = "embedded"
     device: str = "cpu"
     dtype: str = "float32"
-    # None keeps `dtype` weights; "int8": weight-only int8 linears with float32 activations (CPU,
-    # engine/model/quant.py); "bnb-4bit": bitsandbytes NF4 weights (CUDA only).
+    # None keeps `dtype` weights; "int8": int8 linears whose decode products quantize their float32
+    # activations to int8 blocks (CPU, engine/model/quant.py); "bnb-4bit": bitsandbytes NF4
+    # weights (CUDA only).
     quantization: str | None = None
     # KV policy, see kv/policy.py: s5 (default), native, full, sink-window (ablation control).
     kv_policy: str = "s5"
@@ -68,6 +70,10 @@ class EngineConfig:
     # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
     # memory only (rows given up are still rebuilt exactly from the in-memory transcript).
     session_db: str | None = None
+    # The int8 CPU kernel's instruction set (model/quant.py): "auto" takes the most capable one
+    # this CPU runs (AVX-512 VNNI, else AVX2); naming one fails at load where the CPU lacks it.
+    # Every form gives the same results.
+    cpu_kernel: str = "auto"
     seed: int = 0  # seeds requests that carry no seed of their own
     cache_dir: str | None = None  # conversion cache for the embedded model
 
@@ -78,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernel must be one of {CPU_KERNELS}, got {self.cpu_kernel!r}")
         if self.quantization == "int8" and not self.device.startswith("cpu"):
             raise ValueError("int8 quantization is the CPU path; use bnb-4bit on CUDA")
         if self.quantization == "bnb-4bit" and not self.device.startswith("cuda"):

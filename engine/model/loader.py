@@ -258,12 +258,15 @@ def _quantize(model, config: EngineConfig):
         from engine.model.quant import KernelUnavailable, Q8Kernel, quantize_int8
 
         if TORCH_DTYPES[config.dtype] != torch.float32:
-            raise ValueError("int8 quantization keeps float32 activations; use dtype float32")
+            raise ValueError("int8 quantization keeps float32 activations between its products; use dtype float32")
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         try:
-            kernel = Q8Kernel(cache)
+            kernel = Q8Kernel(cache, config.cpu_kernel)
+            log.info("int8 CPU kernel: %s", kernel.describe())
         except KernelUnavailable as e:
-            log.warning("%s; int8 weights run widened to float32 (same results, float32 speed)", e)
+            if config.cpu_kernel != "auto":
+                raise
+            log.warning("%s; int8 products run in torch (same results, float32 speed)", e)
             kernel = None
         quantize_int8(model, kernel)
     return model

@@ -1,15 +1,21 @@
-"""Weight-only int8 linears for the CPU decode path (`quantization="int8"`).
+"""Int8 linears for the CPU decode path (`quantization="int8"`).
 
 A CPU decode step reads every weight once, so its time follows the bytes of the weights: the
 embedded model is ~1 GB in float32 (two thirds of it the tied 262k-vocabulary output layer).
 Storing linear weights as int8 with one float32 scale per output row reads a quarter of that.
-Activations, accumulation, norms, attention and the residual stream stay float32.
 
-The matmul is a small C kernel (kernels/q8_matmul.c, AVX2 + FMA, OpenMP) compiled on first use
-into the cache directory and loaded with ctypes; torch's own int8 CPU kernel takes bfloat16
-activations only and slows down sharply with several rows. Every row's result is bitwise the same
-whatever else shares the batch. Large row counts (prefill chunks) are compute-bound rather than
-bandwidth-bound; for those the weights are widened to float32 for one BLAS matmul.
+The decode matmul is a small C kernel (kernels/q8_matmul.c, OpenMP) compiled on first use into
+the cache directory and loaded with ctypes. It quantizes each activation row in blocks of 128
+values (64 or 32 where the width asks) with a scale per block, sums int8 x int8 products exactly
+in int32 per block, and accumulates the blocks' scaled sums in float32. With the activations in
+int8 the products are integer dot products: AVX-512 VNNI where the CPU has it (64 byte products
+per instruction), AVX2 otherwise, chosen at load and named in the log. Both give the same integers
+and the same float operations, so results are bitwise the same on every CPU, and every row's
+result is the same whatever else shares the batch. `reference_matmul` computes the same numbers
+with torch (the tests' oracle, and the path where no kernel can be built). Large row counts
+(prefill chunks) are compute-bound rather than bandwidth-bound; for those the weights are widened
+to float32 for one BLAS matmul on float32 activations. Norms, attention and the residual stream
+stay float32.
 
 Quantization replaces `nn.Linear` modules by `Int8Linear` modules (module substitution, as
 bitsandbytes does); the model's own forward code is untouched. The input embedding keeps its
@@ -29,8 +35,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.core.config import CPU_KERNELS
+
 KERNEL_SOURCE = Path(__file__).parents[1] / "kernels" / "q8_matmul.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# the kernel's float operations as written: a product and a sum stay two roundings (the torch
+# reference computes them that way), never contracted into one fused multiply-add
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# the kernel's instruction sets, most capable first, with the CPU flags each needs
+ISA_FLAGS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
 # Rows at or above which a matmul widens the weights and uses BLAS instead (prefill chunks), for
 # weights small enough that widening them costs little next to the matmul (not the output layer).
 BLAS_MIN_ROWS = 48
@@ -51,13 +63,31 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-class Q8Kernel:
-    """The compiled int8 matmul. One instance per engine; modules hold a reference to it."""
+def activation_block(k: int) -> int:
+    """Activation values per quantization block for an input width k: 128, else 64 or 32."""
+    for b in (128, 64, 32):
+        if k % b == 0:
+            return b
+    raise ValueError(f"int8 linears need an input width divisible by 32, got {k}")
 
-    def __init__(self, cache_dir: Path) -> None:
-        missing = {"avx2", "fma"} - _cpu_flags()
-        if missing:
-            raise KernelUnavailable(f"int8 CPU kernel needs {sorted(missing)} (not reported by this CPU)")
+
+class Q8Kernel:
+    """The compiled int8 matmul. One instance per engine; modules hold a reference to it.
+    `isa`: "auto" takes the most capable form this CPU runs; "avx512-vnni" or "avx2" asks for one."""
+
+    def __init__(self, cache_dir: Path, isa: str = "auto") -> None:
+        if isa not in CPU_KERNELS:
+            raise ValueError(f"cpu kernel must be one of {CPU_KERNELS}, got {isa!r}")
+        flags = _cpu_flags()
+        runnable = [name for name, need in ISA_FLAGS.items() if need <= flags]
+        if isa == "auto":
+            if not runnable:
+                raise KernelUnavailable("the int8 CPU kernel needs AVX2 and FMA (not reported by this CPU)")
+            isa = runnable[0]
+        elif isa not in runnable:
+            raise KernelUnavailable(f"the {isa} int8 kernel needs {sorted(ISA_FLAGS[isa] - flags)} "
+                                    "(not reported by this CPU)")
+        self.isa = isa
         source = KERNEL_SOURCE.read_bytes()
         tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:12]
         lib_path = Path(cache_dir) / "kernels" / f"q8_matmul-{tag}.so"
@@ -65,8 +95,8 @@ class Q8Kernel:
             self._compile(lib_path)
         lib = ctypes.CDLL(str(lib_path))
         fn = lib.q8_matmul
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+        fn.restype = ctypes.c_int
         self._fn = fn
 
     @staticmethod
@@ -85,16 +115,50 @@ class Q8Kernel:
             raise KernelUnavailable(f"building the int8 CPU kernel failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous, packed = pack_rows(q) for q [N, K] int8, scale [N] float32
-        -> x @ (q * scale[:, None]).T, [M, N] float32."""
+    def describe(self) -> str:
+        return {"avx512-vnni": "AVX-512 VNNI (int8 dot products, 64 per instruction)",
+                "avx2": "AVX2 (int16 multiply-adds)"}[self.isa]
+
+    def matmul(self, x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> [M, N] float32, as `reference_matmul` computes it."""
         m, k = x.shape
-        n = scale.shape[0]
-        if packed.shape[1] * 8 != k or packed.shape[0] * 8 < n or not x.is_contiguous():
+        n = w.scale.shape[0]
+        if w.packed.shape[1] * 8 != k or w.packed.shape[0] * 8 < n or not x.is_contiguous():
             raise ValueError("q8 matmul: shapes or layout do not match")
         y = torch.empty(m, n, dtype=torch.float32)
-        self._fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+        if self._fn(x.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), w.wsum128.data_ptr(), y.data_ptr(),
+                    m, n, k, w.block, 1 if self.isa == "avx512-vnni" else 0):
+            raise MemoryError("q8 matmul: no memory for the quantized activations")
         return y
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (xq [M, K/block, block] float32 holding int8 values, sx [M, K/block]):
+    per block, sx = amax / 127 and xq = x * (127 / amax) rounded half to even. A block of zeros
+    gets scale 0; a block holding inf or NaN a NaN scale (as the kernel does)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block, block)
+    amax = xb.abs().amax(-1)
+    finite = torch.isfinite(xb).all(-1)
+    usable = finite & (amax > 0)
+    # a true division, as the kernel's (a scalar divided by a tensor is a reciprocal and a product)
+    inv = torch.where(usable, torch.full_like(amax, 127.0) / torch.where(usable, amax, 1.0), 0.0)
+    xq = torch.where(usable[..., None], torch.round(xb * inv[..., None]), 0.0)
+    sx = torch.where(finite, torch.where(usable, amax / 127.0, 0.0), float("nan"))
+    return xq, sx
+
+
+def reference_matmul(x: torch.Tensor, qf: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """The kernel's numbers with torch: x [M, K] float32, qf [N, K] float32 holding the int8
+    weights. A block's dot products of int8 values are integers below 2^24, exact in float32 in
+    any order; the blocks' scaled sums are accumulated in block order, product then sum."""
+    m, k = x.shape
+    xq, sx = quantize_activations(x, block)
+    dots = torch.einsum("mbk,nbk->bmn", xq, qf.reshape(qf.shape[0], k // block, block))
+    acc = torch.zeros(m, qf.shape[0])
+    for b in range(k // block):
+        acc = acc + dots[b] * sx[:, b, None]
+    return scale * acc
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,17 +183,30 @@ def unpack_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(b * 8, kb * 8)[:n]
 
 
+def block_sums128(q: torch.Tensor, block: int) -> torch.Tensor:
+    """128 times each activation block's weight sum per output row, [N8/8, K/block, 8] int32 (rows
+    padded as pack_rows pads them): what the VNNI form takes off its sums (q8_matmul.c)."""
+    n, k = q.shape
+    n8 = -(-n // 8) * 8
+    sums = torch.zeros(n8, k // block, dtype=torch.int32)
+    sums[:n] = q.reshape(n, k // block, block).sum(-1, dtype=torch.int32) * 128
+    return sums.view(n8 // 8, 8, k // block).transpose(1, 2).contiguous()
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """An int8 weight as a product reads it: the kernel's packed layout, one float32 scale per
-    output row, and, for weights small enough to widen cheaply (not the output layer), a row-major
-    copy that large row counts widen for one BLAS matmul. Without a kernel, `widened` holds the
-    int8-rounded weight in float32 (the same results at float32 speed)."""
+    output row, the VNNI form's block sums, and, for weights small enough to widen cheaply (not
+    the output layer), a row-major copy that large row counts widen for one BLAS matmul. Without a
+    kernel, `ints` holds the int8 values in float32 for `reference_matmul` (the same results at
+    float32 speed)."""
 
     packed: torch.Tensor  # pack_rows(q): [N8/8, K/8, 8, 8] int8
     scale: torch.Tensor  # [N] float32
+    wsum128: torch.Tensor  # block_sums128(q, block): [N8/8, K/block, 8] int32
+    block: int  # activation values per quantization block
     qrows: torch.Tensor | None  # [N, K] int8 row-major, or None
-    widened: torch.Tensor | None  # [N, K] float32 where no kernel runs, else None
+    ints: torch.Tensor | None  # [N, K] float32 holding the int8 values where no kernel runs, else None
     kernel: Q8Kernel | None
 
     @property
@@ -141,19 +218,21 @@ class Int8Weight:
         return q * self.scale[:, None]  # int8 * float32 -> float32 in one pass
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous -> x @ (q * scale).T, [M, N] float32."""
-        if self.widened is not None:
-            return x @ self.widened.T
+        """x [M, K] float32 contiguous -> [M, N] float32: int8 activations on the kernel, or float32
+        activations on the widened weights for large row counts."""
         if self.qrows is not None and x.shape[0] >= BLAS_MIN_ROWS:
             return x @ self.dequantized().T
-        return self.kernel.matmul(x, self.packed, self.scale)
+        if self.ints is not None:
+            return reference_matmul(x, self.ints, self.scale, self.block)
+        return self.kernel.matmul(x, self)
 
     def rows(self, lo: int, hi: int) -> Int8Weight:
         """Output rows lo:hi (multiples of 8 where they fall inside the weight), as views."""
         assert lo % 8 == 0 and (hi % 8 == 0 or hi == self.shape[0])
         cut = (lambda t: None if t is None else t[lo:hi])
-        return Int8Weight(self.packed[lo // 8: -(-hi // 8)], self.scale[lo:hi], cut(self.qrows), cut(self.widened),
-                          self.kernel)
+        blocks = slice(lo // 8, -(-hi // 8))
+        return Int8Weight(self.packed[blocks], self.scale[lo:hi], self.wsum128[blocks], self.block, cut(self.qrows),
+                          cut(self.ints), self.kernel)
 
 
 def fuse_int8(weights: list[Int8Weight]) -> Int8Weight:
@@ -164,42 +243,38 @@ def fuse_int8(weights: list[Int8Weight]) -> Int8Weight:
     both = (lambda name: None if any(getattr(w, name) is None for w in weights)
             else torch.cat([getattr(w, name) for w in weights]))
     n = sum(w.shape[0] for w in weights)
-    packed = torch.cat([w.packed for w in weights])
-    if n <= BLAS_MAX_WEIGHTS // weights[0].shape[1]:
-        qrows = both("qrows")
-    else:
-        qrows = None
-    return Int8Weight(packed, torch.cat([w.scale for w in weights]), qrows, both("widened"), weights[0].kernel)
+    qrows = both("qrows") if n <= BLAS_MAX_WEIGHTS // weights[0].shape[1] else None
+    return Int8Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
+                      torch.cat([w.wsum128 for w in weights]), weights[0].block, qrows, both("ints"), weights[0].kernel)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (qweight * scale).T (+ bias), float32 in and out, on an `Int8Weight` (`weight`)
-    over the module's buffers."""
+    """y = x @ (qweight * scale).T (+ bias) with int8 activations on the kernel (see
+    `Int8Weight.matmul`), float32 in and out, on an `Int8Weight` (`weight`) over the module's
+    buffers."""
 
     def __init__(self, linear: nn.Linear, kernel: Q8Kernel | None) -> None:
         super().__init__()
-        if linear.in_features % 8:
-            raise ValueError("Int8Linear needs in_features divisible by 8")
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.block = activation_block(linear.in_features)
         q, scale = quantize_rows(linear.weight)
         self.register_buffer("qweight", pack_rows(q))  # the kernel's layout
         self.register_buffer("scale", scale)
+        self.register_buffer("wsum128", block_sums128(q, self.block))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
         # row-major int8 beside the packed copy, so widening for BLAS is one pass (small weights only)
         self.qrows = q if q.numel() <= BLAS_MAX_WEIGHTS else None
-        self.widened = None
-        if kernel is None:
-            self.widened = self.weight.dequantized()
+        self.ints = q.float() if kernel is None else None
 
     @property
     def weight(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale, self.qrows, self.widened, self.kernel)
+        return Int8Weight(self.qweight, self.scale, self.wsum128, self.block, self.qrows, self.ints, self.kernel)
 
     def rebind(self, w: Int8Weight) -> None:
         """Hold `w` (same shape: a view of a fused weight's rows) instead of its own tensors."""
         assert w.shape == (self.out_features, self.in_features)
-        self.qweight, self.scale, self.qrows, self.widened = w.packed, w.scale, w.qrows, w.widened
+        self.qweight, self.scale, self.wsum128, self.qrows, self.ints = w.packed, w.scale, w.wsum128, w.qrows, w.ints
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -209,7 +284,8 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row weights, "
+                f"int8 activations in blocks of {self.block}")
 
 
 def quantize_int8(model: nn.Module, kernel: Q8Kernel | None) -> int:
