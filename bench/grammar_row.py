@@ -13,6 +13,13 @@ CPU time. Also the engine's compile time of
 a first request's grammar.
 
     nice -n 10 python -m bench.grammar_row [--n 32] [--steps 8] [--repeats 3] [--sampled]
+
+On a GPU, a BENCH.md shape with random weights and a real tokenizer of its vocabulary (the grammar
+needs one); there a grammar row also turns off steps launched ahead while it decodes, which is
+what the ratio measures beside the row's own work:
+
+    python -m bench.grammar_row --shape gemma3-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --n 32 --steps 64 --repeats 5
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from llguidance import LLMatcher
 
-from bench.throughput import cpu_name, git_commit, source_digest, write_result
+from bench.throughput import cpu_name, git_commit, shape_model_dir, source_digest, write_result
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model.loader import load_model
 from engine.runner.sampler import pick_tokens
@@ -52,9 +61,10 @@ def decode_rate(engine: Engine, n: int, steps: int, grammar: str | None, sampled
         engine.add_request(Request(f"r{i}", prompt, p))
     while len(engine.scheduler.decoding() or ()) < n:  # prefill, until every row decodes
         engine.step()
+    engine.step()  # a step launched ahead settles its tokens one step later: start from a settled one
     before = engine.stats["decode_tokens"]
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
+    while engine.stats["decode_tokens"] - before < n * steps:
         engine.step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = engine.stats["decode_tokens"] - before
@@ -90,6 +100,10 @@ def grammar_row_ms(engine: Engine, grammar: str, n: int, vocab: int, sampled: bo
     return best * 1e3
 
 
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else cpu_name()
+
+
 def compile_ms(engine: Engine, schema: dict) -> float:
     """The engine's first compile of `schema` (its matcher), in milliseconds: what it blocks steps for."""
     grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
@@ -104,13 +118,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sampled", action="store_true", help="every row samples (temperature 0.8), not greedy")
-    ap.add_argument("--quantization", default="int8")
+    ap.add_argument("--quantization", default=None, help="default: int8 on the embedded model, none on a shape")
+    ap.add_argument("--shape", default=None, help="a BENCH.md shape with random weights instead of the embedded model")
+    ap.add_argument("--tokenizer", default=None, help="with --shape: a directory holding a tokenizer of its vocabulary")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--row-only", action="store_true", help="only the compile times and the row's own work")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
-    cfg = EngineConfig(model="embedded", quantization=a.quantization, max_rows=a.n, kv_cache_bytes=512 << 20)
+    if a.shape and not a.tokenizer:
+        ap.error("--shape needs --tokenizer (a grammar is compiled against a real vocabulary)")
+    model = "embedded"
+    if a.shape:
+        model = shape_model_dir(a.shape, Path(tempfile.mkdtemp(prefix="grammar-row-")), a.tokenizer)
+    quantization = a.quantization or (None if a.shape else "int8")
+    cfg = EngineConfig(model=model, quantization=quantization, device=a.device, dtype=a.dtype, max_rows=a.n,
+                       kv_cache_bytes=(2 << 30) if a.device.startswith("cuda") else 512 << 20)
     loaded = load_model(cfg)
+    label = f"{a.device.split(':')[0]}-{a.shape or 'embedded'}"
     engine = Engine(cfg, loaded)
     grammar = LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults=JSON_OPTIONS)
     t0 = time.perf_counter()
@@ -124,11 +150,11 @@ def main() -> None:
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": git_commit(),
                 "engine_source_sha256": source_digest()}
     if a.row_only:
-        result = {"bench": "grammar_row", "mode": "row-only", "device": cpu_name(), "model": "embedded",
-                  "quantization": a.quantization, "n": a.n, "sampled": a.sampled, "schema": SCHEMA,
+        result = {"bench": "grammar_row", "mode": "row-only", "device": device_name(a.device),
+                  "model": a.shape or "embedded", "dtype": a.dtype, "quantization": quantization, "n": a.n, "sampled": a.sampled, "schema": SCHEMA,
                   "grammar_row_cpu_ms_per_step": row_ms, "compile": compile,
                   "load_average_at_end": os.getloadavg(), "versions": versions}
-        write_result(a.out, "grammar-row-row-cpu-embedded", result, a.tag)
+        write_result(a.out, f"grammar-row-row-{label}", result, a.tag)
         return
     decode_rate(engine, a.n, 2, grammar, a.sampled, loaded.tokenizer)  # warm-up
     pairs = []
@@ -146,12 +172,13 @@ def main() -> None:
     step_cpu_ms = statistics.median(a.n / p["free"]["tokens_per_cpu_s"] * 1e3 for p in pairs)
     print(f"median ratio (grammar row batch / free batch): wall {wall_ratio:.3f}, cpu {cpu_ratio:.3f}; "
           f"grammar row's own work {row_ms:.2f} ms per step (one thread, best of 50); a free step {step_cpu_ms:.0f} ms CPU")
-    result = {"bench": "grammar_row", "device": cpu_name(), "model": "embedded", "quantization": a.quantization,
+    result = {"bench": "grammar_row", "device": device_name(a.device), "model": a.shape or "embedded",
+              "dtype": a.dtype, "quantization": quantization, "overlap_steps": cfg.overlap_steps,
               "n": a.n, "steps": a.steps, "sampled": a.sampled, "schema": SCHEMA,
               "wall_ratio_median": wall_ratio, "cpu_ratio_median": cpu_ratio, "grammar_row_cpu_ms_per_step": row_ms,
               "free_step_cpu_ms_median": step_cpu_ms, "pairs": pairs, "compile": compile,
               "load_average_at_end": os.getloadavg(), "versions": versions}
-    write_result(a.out, "grammar-row-cpu-embedded", result, a.tag)
+    write_result(a.out, f"grammar-row-{label}", result, a.tag)
 
 
 if __name__ == "__main__":

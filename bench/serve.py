@@ -24,6 +24,13 @@ number from one run. Tokens per SSE chunk come from the chunk's `token_ids` (s5s
 `--targets serve cluster:1 cluster:2` runs each N against `s5serve serve` and against `s5serve
 cluster` with 1 and 2 replicas on Ray Serve (same engine settings, all on this machine), and reports
 each cluster row's overhead against the `serve` row of the same N (TTFT, ITL, tok/s ratios).
+
+`--targets serve llama.cpp` (with `--model embedded`, on the CPU) runs each N also against llama.cpp's
+`llama-server` (bench/llama_cpp.py builds it once into the cache dir) on the same GGUF the embedded
+model is converted from, with -np N slots and the same thread count, and reports s5serve's figures
+over llama.cpp's (decode and output tok/s, prefill tok/s, TTFT mean and p50). One server runs at a
+time. llama.cpp sends no token ids in its OpenAI stream: its chunks are counted from
+`timings.predicted_n` (asked for with `timings_per_token`).
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dic
     sent = time.monotonic()
     chunks: list[tuple[float, int]] = []  # (arrival, tokens)
     ids: list[int] = []  # the tokens, where the server sends them
-    usage, error = None, None
+    usage, timings, error = None, None, None
+    decoded = 0  # llama.cpp: tokens generated so far, from its per-chunk timings
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -73,15 +81,40 @@ async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dic
                 now = time.monotonic()
                 if obj.get("usage"):
                     usage = obj["usage"]
-                for ch in obj.get("choices", []):
-                    got = ch.get("token_ids") or ch.get("tokens")  # s5serve and vLLM, llama.cpp
-                    n = len(got) if got is not None else (1 if ch.get("text") else 0)
-                    if n:
-                        chunks.append((now, n))
-                        ids.extend(got or [])
+                if obj.get("timings"):
+                    timings = obj["timings"]
+                n, got, decoded = chunk_tokens(obj, decoded)
+                if n:
+                    chunks.append((now, n))
+                    ids.extend(got)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return {"sent": sent, "chunks": chunks, "ids": ids, "usage": usage, "error": error}
+    prompt = body.get("prompt")
+    return {"sent": sent, "chunks": chunks, "ids": ids, "usage": usage, "timings": timings, "error": error,
+            "prompt_tokens": len(prompt) if isinstance(prompt, list) else None}
+
+
+def chunk_tokens(obj: dict, decoded: int) -> tuple[int, list[int], int]:
+    """The tokens one streamed completion chunk carries, their ids where sent, and the tokens
+    generated so far. The ids are the choices' `token_ids` (s5serve's `return_token_ids`, vLLM; a
+    coalesced chunk carries several) or `tokens`. Without ids, llama.cpp's `timings.predicted_n`
+    (every chunk has it with `timings_per_token`) counts them: its server sends a chunk per token,
+    except that a token ending inside a UTF-8 character goes out with the next one, and its final
+    chunk (no text) repeats the count. Else a choice with text is one token."""
+    n, ids = 0, []
+    for ch in obj.get("choices", []):
+        got = ch.get("token_ids") or ch.get("tokens")
+        if got is not None:
+            n += len(got)
+            ids.extend(got)
+        elif ch.get("text"):
+            n += 1
+    predicted = (obj.get("timings") or {}).get("predicted_n")
+    if predicted is not None and not ids:
+        n, decoded = max(0, predicted - decoded), max(decoded, predicted)
+    else:
+        decoded += n
+    return n, ids, decoded
 
 
 async def _run_streams(base_url: str, bodies: list[dict], starts: list[float]) -> list[dict]:
@@ -148,9 +181,22 @@ def summarize(results: list[dict], slo_ttft: float, slo_tpot: float) -> dict:
         if t_done > t_all and in_window >= 8 * len(ok):
             decode = in_window / (t_done - t_all)
     span = end - start
+    # prefill: the streams' prompt tokens over the time from the first request to the last first token
+    prompt_tokens = [r.get("prompt_tokens") for r in ok]
+    prefill = None
+    if ok and None not in prompt_tokens:
+        t_first = max(r["chunks"][0][0] for r in ok)
+        prefill = sum(prompt_tokens) / (t_first - start) if t_first > start else None
+    # the server's own count: streams whose counted tokens differ from usage.completion_tokens
+    counted = [(sum(k for _, k in r["chunks"]), (r.get("usage") or {}).get("completion_tokens")) for r in ok]
+    server_prefill = [r["timings"]["prompt_per_second"] for r in ok
+                      if (r.get("timings") or {}).get("prompt_per_second") is not None]
     return {
         "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
         "output_tokens": total, "output_tok_s": total / span if span > 0 else None, "decode_tok_s": decode,
+        "prefill_tok_s": prefill,
+        "token_count_mismatches": sum(u is not None and c != u for c, u in counted),
+        "server_prefill_tok_s_mean": sum(server_prefill) / len(server_prefill) if server_prefill else None,
         "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)} | {"mean": sum(ttft) / len(ttft) if ttft else None},
         "tpot_s": {f"p{q}": pct(tpot, q) for q in (50, 90, 99)},
         "itl_s": {f"p{q}": pct(itl, q) for q in (50, 90, 99)},
@@ -213,16 +259,9 @@ def model_spec(a, workdir: Path) -> str:
     """`--model`, or a `random:` directory holding a BENCH.md shape's config (and a tokenizer)."""
     if not a.shape:
         return a.model
-    from bench.throughput import shape_config
+    from bench.throughput import shape_model_dir
 
-    cfg, _ = shape_config(a.shape)
-    d = workdir / a.shape
-    cfg.save_pretrained(d)
-    if a.tokenizer:  # a real tokenizer of the same vocabulary: the server detokenizes as it would
-        for f in Path(a.tokenizer).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
-                shutil.copy(f, d / f.name)
-    return f"random:{d}"
+    return shape_model_dir(a.shape, workdir / a.shape, a.tokenizer)
 
 
 def engine_rate(spec: str, a, prompts, n: int) -> dict:
@@ -294,15 +333,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def overhead(row: dict, base: dict) -> dict:
-    """A row's figures over those of `base` (the same N through `s5serve serve`)."""
+    """A row's figures over those of `base`: a cluster row over the `s5serve serve` row of the same
+    N, or the `serve` row over a peer's (llama.cpp's)."""
     def ratio(x, y):
         return x / y if x is not None and y else None
 
     return {"ttft_p50": ratio(row["ttft_s"]["p50"], base["ttft_s"]["p50"]),
+            "ttft_mean": ratio(row["ttft_s"]["mean"], base["ttft_s"]["mean"]),
             "itl_p50": ratio(row["itl_s"]["p50"], base["itl_s"]["p50"]),
             "itl_p99": ratio(row["itl_s"]["p99"], base["itl_s"]["p99"]),
             "output_tok_s": ratio(row["output_tok_s"], base["output_tok_s"]),
-            "decode_tok_s": ratio(row["decode_tok_s"], base["decode_tok_s"])}
+            "decode_tok_s": ratio(row["decode_tok_s"], base["decode_tok_s"]),
+            "prefill_tok_s": ratio(row.get("prefill_tok_s"), base.get("prefill_tok_s"))}
 
 
 # ---- workloads ---------------------------------------------------------------------------------------
@@ -376,7 +418,9 @@ def main() -> None:
                          "engine baseline's); compare serve with cluster at the same count")
     ap.add_argument("--targets", nargs="+", default=["serve"],
                     help="what to start and measure: serve (s5serve serve), cluster:R (s5serve cluster "
-                         "with R replicas on Ray Serve); cluster rows report their overhead vs serve")
+                         "with R replicas on Ray Serve), llama.cpp (its llama-server on the embedded model's "
+                         "GGUF, built once: bench/llama_cpp.py); cluster rows report their overhead vs serve, "
+                         "serve reports its figures over llama.cpp's")
     ap.add_argument("--served-model", default=None, help="the `model` field to send (peers that need one)")
     ap.add_argument("--mode", choices=["concurrency", "rate", "sessions"], default="concurrency")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8])
@@ -432,35 +476,63 @@ def main() -> None:
     rows = []
     targets = [None] if a.base_url else a.targets
     for t in targets:
-        if t is not None and t != "serve" and not (t.startswith("cluster:") and t.split(":", 1)[1].isdigit()):
-            ap.error(f"--targets: {t!r} is neither serve nor cluster:R")
+        if t is not None and t not in ("serve", "llama.cpp") and not (t.startswith("cluster:")
+                                                                   and t.split(":", 1)[1].isdigit()):
+            ap.error(f"--targets: {t!r} is neither serve, cluster:R nor llama.cpp")
+    peer = None  # llama.cpp's server: its binary, the GGUF, its threads
+    if "llama.cpp" in targets:
+        if a.model != "embedded" or a.shape or a.device != "cpu":
+            ap.error("--targets llama.cpp: only with --model embedded on the CPU (its GGUF, a CPU build)")
+        if a.mode == "sessions":
+            ap.error("--targets llama.cpp: not in sessions mode (its stream carries no token ids for the "
+                     "conversation to go on from)")
+        import torch
+
+        from bench import llama_cpp
+
+        # the thread count s5serve's engine runs with: OMP_NUM_THREADS=--threads, else torch's default
+        peer = {"binary": llama_cpp.build(), "gguf": llama_cpp.gguf_path(),
+                "threads": a.threads or torch.get_num_threads()}
+        peer["build"] = llama_cpp.build_info()
     head = (f"{'target':>9} {'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
             f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
             f"{'eng ITL p99':>11} "
             f"{'lag p99 ms':>10} {'lag max ms':>10} {'GC s':>5} {'errors':>6}")
     print(head, flush=True)
+
+    def f(x, scale=1.0, fmt=".1f"):
+        return format(x * scale, fmt) if x is not None else "-"
+
     ns = a.n if a.mode == "concurrency" else [a.sessions if a.mode == "sessions" else max(a.n)]
     for n in ns:
         prompts = prompts_for(tokenizer, vocab, n if a.mode == "concurrency" else a.num_prompts, a.prompt_len,
                               seed=n)
-        eng = engine_rate(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
-        base_row = None
+        engine_res = engine_rate(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
+        first_row = len(rows)
         for target in targets:
-            proc, url = None, a.base_url
+            proc, url, extra, server = None, a.base_url, {}, None
             if not url:
                 port = free_port()
-                proc = start_server(spec, a, n if a.mode != "rate" else max(a.n), port,
-                                    work / f"server-{n}-{target.replace(':', '')}.log", target)
+                slots = n if a.mode != "rate" else max(a.n)
+                log = work / f"server-{n}-{target.replace(':', '')}.log"
+                if target == "llama.cpp":
+                    ctx = llama_cpp.context_size(slots, a.prompt_len, a.new_tokens)
+                    proc = llama_cpp.start(peer["binary"], peer["gguf"], port, slots, peer["threads"], ctx, log)
+                    server = {"n_parallel": slots, "ctx": ctx, "threads": peer["threads"],
+                              "llama_cpp_commit": peer["build"].get("llama_cpp_commit")}
+                    extra = {"timings_per_token": True}  # its chunks carry no token ids: count by predicted_n
+                else:
+                    proc = start_server(spec, a, slots, port, log, target)
                 url = f"http://127.0.0.1:{port}"
             try:
-                warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4)]
+                warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4, **extra)]
                 drive(url, warm, [0.0], 1)
                 before = scrape(url)
                 if a.mode == "sessions":
                     res = run_sessions(url, a, vocab, a.served_model)
                     summ = res["all"]
                 else:
-                    bodies = [completion(p, a, a.served_model) for p in prompts]
+                    bodies = [completion(p, a, a.served_model, **extra) for p in prompts]
                     if a.mode == "rate":
                         rng = random.Random(0)
                         offsets, t = [], 0.0
@@ -476,6 +548,7 @@ def main() -> None:
                 if proc is not None:
                     stop_server(proc)
             lag = loop_lag(before, after)
+            eng = engine_res if target != "llama.cpp" else None  # the engine baseline is s5serve's
             row = {"target": target, "mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
                    "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
                                                  if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
@@ -483,15 +556,9 @@ def main() -> None:
                                                if eng and summ["ttft_s"]["p50"] is not None else None)}
             if res is not None:
                 row["per_turn"] = res["per_turn"]
-            if target == "serve":
-                base_row = row
-            elif base_row is not None:
-                row["over_serve"] = overhead(row, base_row)
+            if server is not None:
+                row["server"] = server
             rows.append(row)
-
-            def f(x, scale=1.0, fmt=".1f"):
-                return format(x * scale, fmt) if x is not None else "-"
-
             print(f"{target or 'peer':>9} {a.mode:>11} {n:>4} {f(summ['decode_tok_s']):>16} {f(eng and eng['decode_tok_s']):>16} "
                   f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
                   f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
@@ -503,12 +570,26 @@ def main() -> None:
                 for t in res["per_turn"]:
                     print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
                           f"{t['prompt_tokens_mean']:.0f} tokens, cached {f(t['cached_tokens_mean'], fmt='.0f')}")
-            if "over_serve" in row:
-                o = row["over_serve"]
+        # each other target of this N against `serve`: a cluster's overhead over it, serve over a peer
+        base_row = next((r for r in rows[first_row:] if r["target"] == "serve"), None)
+        for row in rows[first_row:] if base_row else []:
+            if row["target"] == "llama.cpp":
+                o = row["serve_over_peer"] = overhead(base_row, row)
+                print(f"{'':>9} {'serve/llama':>11} {n:>4}  decode tok/s x{f(o['decode_tok_s'], fmt='.2f')}, out tok/s "
+                      f"x{f(o['output_tok_s'], fmt='.2f')}, prefill tok/s x{f(o['prefill_tok_s'], fmt='.2f')}, TTFT "
+                      f"mean x{f(o['ttft_mean'], fmt='.2f')}, TTFT p50 x{f(o['ttft_p50'], fmt='.2f')}", flush=True)
+            elif row is not base_row:
+                o = row["over_serve"] = overhead(row, base_row)
                 print(f"{'':>9} {'vs serve':>11} {n:>4}  TTFT p50 x{f(o['ttft_p50'], fmt='.2f')}, ITL p50 "
                       f"x{f(o['itl_p50'], fmt='.2f')}, ITL p99 x{f(o['itl_p99'], fmt='.2f')}, out tok/s "
                       f"x{f(o['output_tok_s'], fmt='.2f')}, decode tok/s x{f(o['decode_tok_s'], fmt='.2f')}",
                       flush=True)
+    comparison = peer_comparison(rows)
+    if comparison:
+        print("\ns5serve serve beside llama.cpp's llama-server (same GGUF, prompts and threads; "
+              "x = s5serve / llama.cpp)")
+        for line in peer_table(comparison):
+            print(line)
     shutil.rmtree(work, ignore_errors=True)
     import torch
 
@@ -528,11 +609,53 @@ def main() -> None:
         "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": a.threads,
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
                      "ignore_eos": True, "client_procs": a.client_procs, "targets": targets},
+        "peers": {"llama.cpp": {**peer["build"], "binary": str(peer["binary"]), "gguf": str(peer["gguf"]),
+                                "threads": peer["threads"]}} if peer else {},
+        "peer_comparison": comparison,
         "rows": rows}, indent=1))
     print(f"wrote {out / stem}.json")
     plain = [r for r in rows if r["target"] in (None, "serve")]
     if a.mode == "concurrency" and len(plain) > 1:
         plot(plain, out / f"{stem}.png", name)
+
+
+PEER_FIGURES = {  # the figures set beside llama.cpp's: label, format
+    "decode_tok_s": ("decode tok/s", ".1f"), "output_tok_s": ("out tok/s", ".1f"),
+    "prefill_tok_s": ("prefill tok/s", ".0f"), "ttft_mean": ("TTFT mean s", ".3f"), "ttft_p50": ("TTFT p50 s", ".3f"),
+}
+
+
+def peer_comparison(rows: list[dict]) -> list[dict]:
+    """Per N with both a `serve` and a `llama.cpp` row: each side's figures and the ratio
+    s5serve / llama.cpp (above 1 for tok/s, below 1 for TTFT: s5serve ahead)."""
+    def figures(r: dict) -> dict:
+        return {"decode_tok_s": r["decode_tok_s"], "output_tok_s": r["output_tok_s"], "prefill_tok_s": r.get("prefill_tok_s"),
+                "ttft_mean": r["ttft_s"]["mean"], "ttft_p50": r["ttft_s"]["p50"]}
+
+    out = []
+    for peer in (r for r in rows if r["target"] == "llama.cpp"):
+        base = next((r for r in rows if r["target"] == "serve" and r["n"] == peer["n"]), None)
+        if base is None:
+            continue
+        ratio = peer.get("serve_over_peer") or overhead(base, peer)
+        out.append({"n": peer["n"], "s5serve": figures(base), "llama.cpp": figures(peer),
+                    "s5serve_over_llama_cpp": {k: ratio[k] for k in PEER_FIGURES},
+                    "llama_cpp_server_prefill_tok_s_mean": peer.get("server_prefill_tok_s_mean")})
+    return out
+
+
+def peer_table(comparison: list[dict]) -> list[str]:
+    """`peer_comparison` as text: per figure s5serve's, llama.cpp's and the ratio."""
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
+    head = f"{'N':>4}" + "".join(f" | {label + ' s5 / llama.cpp / x':>34}" for label, _ in PEER_FIGURES.values())
+    lines = [head]
+    for c in comparison:
+        cells = [f"{f(c['s5serve'][k], fmt):>10} {f(c['llama.cpp'][k], fmt):>10} "
+                 f"{'x' + f(c['s5serve_over_llama_cpp'][k], '.2f'):>6}" for k, (_, fmt) in PEER_FIGURES.items()]
+        lines.append(f"{c['n']:>4}" + "".join(f" | {cell:>34}" for cell in cells))
+    return lines
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

@@ -158,6 +158,20 @@ def shape_config(name: str):
     return Gemma3TextConfig(**fields, max_position_embeddings=32768, query_pre_attn_scalar=256), cls
 
 
+def shape_model_dir(name: str, workdir: Path, tokenizer: Path | None = None) -> str:
+    """A `random:` model spec for the engine's loader: the shape's config written to `workdir`,
+    beside the files of `tokenizer` (a directory holding a real tokenizer of the same vocabulary,
+    for runs that detokenize or compile grammars as a served model would)."""
+    import shutil
+
+    config, _ = shape_config(name)
+    config.save_pretrained(workdir)
+    for f in Path(tokenizer).iterdir() if tokenizer else ():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy(f, workdir / f.name)
+    return f"random:{workdir}"
+
+
 def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = True):
     """Two identical random-weight models of a BENCH.md shape: one for the engine, one for HF
     (None without `with_hf`)."""
@@ -274,9 +288,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def quality(loaded, reference, device: str) -> dict:
+def quality(loaded, reference, device: str, model: str, quantization: str, docs: int = 8) -> dict:
     """A quantized engine against the float32 one: greedy agreement (64 tokens from 16 corpus
-    prompts of 1,024 tokens, s5) and the quick passkey/needle grid of bench/recall.py."""
+    prompts of 1,024 tokens, s5), the quick passkey/needle grid of bench/recall.py, and perplexity
+    on the corpus (`perplexity_vs_float32`)."""
     from bench import recall
 
     prompts = recall.agreement_prompts(loaded.tokenizer, 16, 1024)
@@ -284,11 +299,41 @@ def quality(loaded, reference, device: str) -> dict:
     agree = recall.agreement(recall.greedy_tokens(loaded, cfg, prompts), recall.greedy_tokens(reference, cfg, prompts))
     base = EngineConfig(model="bench", device=device, max_rows=8, max_num_batched_tokens=1024)
     lengths, depths, cases = [512, 1024, 2048], [0.0, 0.5, 1.0], 2
-    grid = recall.needle_grid(loaded, base, ["native", "s5"], lengths, depths, cases)
-    tables = {p: recall.cell_table(grid["hits"][p], lengths, depths, cases) for p in ("native", "s5")}
+    grids = {w: recall.needle_grid(m, base, ["native", "s5"], lengths, depths, cases)
+             for w, m in (("quantized", loaded), ("float32", reference))}
+    tables = {p: recall.cell_table(grids["quantized"]["hits"][p], lengths, depths, cases) for p in ("native", "s5")}
     return {"greedy_agreement_vs_float32": agree,
-            "recall_quick": {p: sum(grid["hits"][p].values()) for p in tables}, "recall_cases": len(grid["needles"]),
-            "recall_regressions": recall.check_quick(tables)}
+            "recall_quick": {p: sum(grids["quantized"]["hits"][p].values()) for p in tables},
+            "recall_quick_float32": {p: sum(grids["float32"]["hits"][p].values()) for p in tables},
+            "recall_cells_differing_from_float32": {
+                p: sorted(str(k) for k in grids["float32"]["hits"][p]
+                          if grids["float32"]["hits"][p][k] != grids["quantized"]["hits"][p][k]) for p in tables},
+            "recall_cases": len(grids["quantized"]["needles"]),
+            "recall_regressions": recall.check_quick(tables),
+            "perplexity": perplexity_vs_float32(model, quantization, docs)}
+
+
+def perplexity_vs_float32(model: str, quantization: str, docs: int) -> dict:
+    """Decode-regime perplexity (bench/fidelity_core.py) on `docs` documents of the recall corpus,
+    float32 weights against `quantization`'s, with the exact model's layers and with the default
+    s5 windows. Quantized weights run their decode products on every scored token (the numbers a
+    decode step computes; bench/fidelity.py's scorer_model)."""
+    from types import SimpleNamespace
+
+    from bench import recall
+    from bench.fidelity import bounded_windows, scorer_model
+    from bench.fidelity_core import Scorer, corpus_docs
+
+    out = {}
+    for name, q in (("float32", None), (quantization, quantization)):
+        net, tok = scorer_model(SimpleNamespace(model=model, quant=q))
+        scorer = Scorer(net, corpus_docs(tok, recall.corpus_text(), docs), sink=EngineConfig.kv_sink)
+        out[name] = {"exact": scorer.ppl([None] * len(scorer.layer_types)),
+                     "s5": scorer.ppl(bounded_windows(scorer.layer_types, EngineConfig.kv_window))}
+        del net, scorer
+    out["ratio"] = {k: out[quantization][k] / out["float32"][k] for k in ("exact", "s5")}
+    out["docs"] = docs
+    return out
 
 
 def main() -> None:
@@ -318,7 +363,8 @@ def main() -> None:
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled decode step; its first run per "
                          "shape and N compiles for a minute or more), reported beside the default")
-    ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall of quantized weights")
+    ap.add_argument("--no-quality", action="store_true", help="skip agreement/recall/perplexity of quantized weights")
+    ap.add_argument("--quality-docs", type=int, default=8, help="corpus documents (1,280 tokens) scored for perplexity")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix for the result file name")
     a = ap.parse_args()
@@ -400,12 +446,16 @@ def main() -> None:
     if not a.no_quality and "float32" in engines and not a.shape:
         for w in engines:
             if w != "float32":
-                qualities[w] = q = quality(engines[w], engines["float32"], a.device)
-                ag = q["greedy_agreement_vs_float32"]
+                qualities[w] = q = quality(engines[w], engines["float32"], a.device, a.model, w, a.quality_docs)
+                ag, ppl, c = q["greedy_agreement_vs_float32"], q["perplexity"], q["recall_cases"]
                 print(f"{w}: greedy agreement with float32 {ag['token_agreement']:.1%} of tokens, "
                       f"{ag['identical']}/{ag['prompts']} sequences identical; quick recall "
-                      f"native {q['recall_quick']['native']}/{q['recall_cases']}, s5 {q['recall_quick']['s5']}/"
-                      f"{q['recall_cases']}; s5 cells below native-1: {len(q['recall_regressions'])}", flush=True)
+                      f"native {q['recall_quick']['native']}/{c} (float32 {q['recall_quick_float32']['native']}/{c}), "
+                      f"s5 {q['recall_quick']['s5']}/{c} (float32 {q['recall_quick_float32']['s5']}/{c}); cells "
+                      f"differing from float32: {sum(map(len, q['recall_cells_differing_from_float32'].values()))}; "
+                      f"s5 cells below native-1: {len(q['recall_regressions'])}; perplexity over {ppl['docs']} documents "
+                      f"exact {ppl[w]['exact']:.3f} vs {ppl['float32']['exact']:.3f} ({ppl['ratio']['exact']:.4f}x), "
+                      f"s5 {ppl[w]['s5']:.3f} vs {ppl['float32']['s5']:.3f} ({ppl['ratio']['s5']:.4f}x)", flush=True)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu_name()
     commit = git_commit()
     import transformers
