@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -281,9 +282,12 @@ def build_app(cluster: ClusterSettings):
 
 
 def runtime_env() -> dict:
-    """What Ray's worker processes need to import this project as the driver does."""
+    """What Ray's worker processes need to import this project as the driver does: its root first
+    on the import path, then the driver's own PYTHONPATH (which may be where Ray itself and the
+    other packages are installed; the env var replaces the workers' inherited one)."""
     root = str(Path(__file__).resolve().parent.parent)
-    return {"env_vars": {"PYTHONPATH": root}}
+    inherited = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join([root, *(p for p in inherited.split(os.pathsep) if p)])}}
 
 
 def build(args: dict):

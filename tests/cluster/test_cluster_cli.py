@@ -3,12 +3,13 @@ and how the gateway finds a request's session."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ray.serve import Application
 from starlette.datastructures import Headers
 
-from service.cluster import build, parse_cluster_args, session_key
+from service.cluster import build, parse_cluster_args, runtime_env, session_key
 
 
 def test_flags_are_serve_s_plus_the_cluster_s():
@@ -19,6 +20,17 @@ def test_flags_are_serve_s_plus_the_cluster_s():
     gpu = parse_cluster_args(["--device", "cuda", "--session-db", "none"])
     assert gpu.replica_gpus == 1.0 and gpu.serve.engine.session_db is None
     assert parse_cluster_args(["--device", "cuda", "--replica-gpus", "0.5", "--session-db", "none"]).replica_gpus == 0.5
+
+
+def test_workers_import_path_keeps_the_drivers(monkeypatch, tmp_path):
+    """Ray's workers get the project's root first and then the driver's PYTHONPATH, where Ray and
+    the other packages may be installed (the env var replaces what the workers would inherit)."""
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{tmp_path / 'more'}")
+    path = runtime_env()["env_vars"]["PYTHONPATH"].split(":")
+    assert Path(path[0], "service", "cluster.py").is_file()
+    assert path[1:] == [str(tmp_path / "site"), str(tmp_path / "more")]
+    monkeypatch.delenv("PYTHONPATH")
+    assert len(runtime_env()["env_vars"]["PYTHONPATH"].split(":")) == 1
 
 
 def test_replicas_do_not_share_an_sqlite_file():
