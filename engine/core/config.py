@@ -70,6 +70,10 @@ class EngineConfig:
     # and rows given up for lack of space are rebuilt exactly from it. None: sessions live in
     # memory only (rows given up are still rebuilt exactly from the in-memory transcript).
     session_db: str | None = None
+    # On the CPU, one-token rows attend the paged (exact) layers with the engine's C kernel, reading
+    # each row's keys where the pool holds them (kernels/cpu_attention.py); False gathers them
+    # into a copy for torch's SDPA.
+    cpu_decode_attention: bool = True
     # The int8 CPU kernel's instruction set (model/quant.py): "auto" takes the most capable one
     # this CPU runs (AVX-512 VNNI, else AVX2); naming one fails at load where the CPU lacks it.
     # Every form gives the same results.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
@@ -87,7 +88,7 @@ class Engine:
             config.overlap_steps if config.overlap_steps is not None else capture)
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
                                   capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl,
-                                  nf4=config.nf4_kernels)
+                                  nf4=config.nf4_kernels, paged_decode=_paged_decode_kernel(config, self.pool))
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
@@ -416,3 +417,18 @@ class Engine:
         owned = Counter(s.owner for s in sessions)
         assert all(self.sessions.owned[o] == n for o, n in owned.items()) and \
             sum(self.sessions.owned.values()) == len(sessions), "sessions per owner do not add up"
+
+
+def _paged_decode_kernel(config: EngineConfig, pool: RowPool):
+    """The CPU's paged decode attention kernel where the config asks for it and it builds."""
+    if pool.device.type != "cpu" or not config.cpu_decode_attention:
+        return None
+    from engine.kernels.cpu_attention import CpuDecodeAttention
+    from engine.kernels.native import KernelUnavailable
+    from engine.model.loader import default_cache_dir
+
+    try:
+        return CpuDecodeAttention(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    except KernelUnavailable as e:
+        log.warning("%s; decode attention gathers the keys for torch's SDPA", e)
+        return None

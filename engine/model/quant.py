@@ -25,10 +25,6 @@ float32 table (a lookup reads one row per token); the output layer gets its own 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +32,8 @@ import torch
 from torch import nn
 
 from engine.core.config import CPU_KERNELS
+from engine.kernels import native
+from engine.kernels.native import KernelUnavailable
 
 KERNEL_SOURCE = Path(__file__).parents[1] / "kernels" / "q8_matmul.c"
 # the kernel's float operations as written: a product and a sum stay two roundings (the torch
@@ -47,10 +45,6 @@ ISA_FLAGS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"
 # weights small enough that widening them costs little next to the matmul (not the output layer).
 BLAS_MIN_ROWS = 48
 BLAS_MAX_WEIGHTS = 1 << 24
-
-
-class KernelUnavailable(RuntimeError):
-    pass
 
 
 def _cpu_flags() -> set[str]:
@@ -88,32 +82,10 @@ class Q8Kernel:
             raise KernelUnavailable(f"the {isa} int8 kernel needs {sorted(ISA_FLAGS[isa] - flags)} "
                                     "(not reported by this CPU)")
         self.isa = isa
-        source = KERNEL_SOURCE.read_bytes()
-        tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:12]
-        lib_path = Path(cache_dir) / "kernels" / f"q8_matmul-{tag}.so"
-        if not lib_path.exists():
-            self._compile(lib_path)
-        lib = ctypes.CDLL(str(lib_path))
-        fn = lib.q8_matmul
+        fn = native.load(KERNEL_SOURCE, Path(cache_dir), CFLAGS).q8_matmul
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
         fn.restype = ctypes.c_int
         self._fn = fn
-
-    @staticmethod
-    def _compile(lib_path: Path) -> None:
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        cc = os.environ.get("CC", "cc")
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(KERNEL_SOURCE)], capture_output=True, text=True)
-        except FileNotFoundError as e:
-            os.unlink(tmp)
-            raise KernelUnavailable(f"no C compiler ({cc}) to build the int8 CPU kernel") from e
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise KernelUnavailable(f"building the int8 CPU kernel failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
 
     def describe(self) -> str:
         return {"avx512-vnni": "AVX-512 VNNI (int8 dot products, 64 per instruction)",

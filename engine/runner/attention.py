@@ -58,12 +58,18 @@ class _Group:
     # long single-chunk groups: (store, attn_window) -> [(t0, t1, keys, mask)], query blocks that
     # each attend only to the keys their rows can see (keys: a slice or an index tensor into L)
     blocks: dict[tuple[int, int | None], list] | None = None
+    # one-token rows on the CPU with the paged-pool kernel: attn_window -> (lo, hi) [B] int32, the
+    # positions each row's query sees on the paged layers (its keys are slots[b, lo:hi])
+    paged_bounds: dict[int | None, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class StepAttention:
-    def __init__(self, pool: RowPool, chunks: list[ForwardChunk]) -> None:
+    def __init__(self, pool: RowPool, chunks: list[ForwardChunk], paged_decode=None) -> None:
+        """`paged_decode`: a CpuDecodeAttention (kernels/cpu_attention.py) that one-token rows on
+        the CPU attend the paged layers with, reading the pool in place; None gathers for SDPA."""
         self.pool = pool
         self.chunks = chunks
+        self.paged_decode = paged_decode
         dev = pool.device
         # One-token forwards (decodes) batch together; anything else, including the last token of
         # a longer forward (it may need staged keys), runs as a group of its own.
@@ -147,8 +153,13 @@ class StepAttention:
                 continue
             unmasked = dev.type == "cpu" and bool(m.all())
             masks[(store, attn_window)] = None if unmasked else m[:, None].to(dev)
+        bounds = None
+        if self.paged_decode is not None and tmax == 1 and PAGED in gather:
+            end = q_pos[:, 0] + 1
+            bounds = {w: ((end - w).clamp(min=0).to(torch.int32) if w is not None else torch.zeros_like(end, dtype=torch.int32),
+                          end.to(torch.int32)) for s, w in classes if s == PAGED}
         lo = offsets[0]
-        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None)
+        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None, bounds)
 
     def _query_blocks(self, c: ForwardChunk, store: int, attn_window: int | None, m: torch.Tensor, dev) -> list:
         """Query blocks of one long chunk. Keys on a paged layer are positions 0..end-1 in order;
@@ -230,6 +241,12 @@ class StepAttention:
         outs = []
         for g in self.groups:
             slots = g.gather[store]
+            if (lay.paged and g.paged_bounds is not None
+                    and self.paged_decode.supports(q_all, pool.k[layer], softcap)):
+                lo, hi = g.paged_bounds[lay.attn_window]
+                outs.append(self.paged_decode(q_all[:, g.lo : g.hi].transpose(0, 1), pool.k[layer], pool.v[layer],
+                                              slots, lo, hi, scaling))  # [B, H, D]
+                continue
             k, v = pool.gather(layer, slots)  # [B, L_res, Hkv, D]
             if lay.paged:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]

@@ -36,15 +36,17 @@ class RunnerInput(NamedTuple):
 class ModelRunner:
     def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
                  capture: bool = False, fused: bool = True, undoable: bool = False, pdl: bool = True,
-                 nf4: bool = False) -> None:
+                 nf4: bool = False, paged_decode=None) -> None:
         """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
         of decode_graph.py, captured as CUDA graphs when `capture`; `undoable`: their stores can
         be undone (steps launched ahead of the host). `fused`: the engine's own layer forward
         (fused_forward.py) where the model allows it, else the stock one. `pdl`: the engine's
         Triton kernels are launched with PDL where the device supports it (kernels/launch.py). `nf4`:
-        bitsandbytes 4-bit linears run on the engine's NF4 kernels (EngineConfig.nf4_kernels)."""
+        bitsandbytes 4-bit linears run on the engine's NF4 kernels (EngineConfig.nf4_kernels).
+        `paged_decode`: the CPU's paged decode attention kernel (kernels/cpu_attention.py), or None."""
         self.model = model
         self.pool = pool
+        self.paged_decode = paged_decode
         self.device = pool.device
         self.pdl = pdl and launch.supported(self.device)
         prepared = prepare(model, self.device, fused, self.pdl, nf4)
@@ -65,7 +67,7 @@ class ModelRunner:
         if self.decoder is not None and self.decoder.accepts(inputs):
             return self.decoder.run(inputs, sources)
         assert sources is None, "tokens read on the device need the static decode step"
-        step = StepAttention(self.pool, [i.chunk for i in inputs])
+        step = StepAttention(self.pool, [i.chunk for i in inputs], self.paged_decode)
         by_chunk = {id(i.chunk): (n, i) for n, i in enumerate(inputs)}
         ids: list[int] = []
         logits_index, owners = [], []
