@@ -42,15 +42,11 @@ CONTEXTS = (1024, 4096, 16384)
 def scorer_model(a) -> tuple[object, object]:
     """The served weights as a stock transformers model with sdpa attention (the engine's own
     model object has the engine's attention installed). Int8 weights run every product on the
-    decode kernel, whatever the row count (no BLAS on widened weights for long inputs): each
-    scored token gets the numbers a decode step computes for it, since the kernel's rows do not
-    depend on each other (engine/model/quant.py)."""
+    int8 kernel, as the engine does: each scored token gets the numbers a decode step computes
+    for it, since the kernel's rows do not depend on each other (engine/model/quant.py)."""
     loaded = load_model(EngineConfig(model=a.model, quantization=a.quant))
     model = loaded.model
     model.set_attn_implementation("sdpa")
-    for m in model.modules():
-        if hasattr(m, "qrows"):
-            m.qrows = None
     return model, loaded.tokenizer
 
 

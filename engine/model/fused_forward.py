@@ -30,7 +30,7 @@ the engine keeps the stock forward): other quantized linears and other families 
 `hf_adapter.forward`. NF4 projections run the fused dequantize-and-multiply kernel of
 kernels/nf4.py at decode batch sizes (its launch per row count timed on the model's weights,
 `plan_nf4`) and the library's product on the dequantized weight for prefill chunks; int8
-projections run the int8 kernel (widened to float32 for BLAS at prefill row counts), their Q/K/V
+projections run the int8 kernel at every row count, their Q/K/V
 and gate/up rows fused like the others'.
 """
 

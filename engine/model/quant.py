@@ -12,10 +12,10 @@ int8 the products are integer dot products: AVX-512 VNNI where the CPU has it (6
 per instruction), AVX2 otherwise, chosen at load and named in the log. Both give the same integers
 and the same float operations, so results are bitwise the same on every CPU, and every row's
 result is the same whatever else shares the batch. `reference_matmul` computes the same numbers
-with torch (the tests' oracle, and the path where no kernel can be built). Large row counts
-(prefill chunks) are compute-bound rather than bandwidth-bound; for those the weights are widened
-to float32 for one BLAS matmul on float32 activations. Norms, attention and the residual stream
-stay float32.
+with torch (the tests' oracle, and the path where no kernel can be built). Prefill chunks run the
+same kernel: with integer dot products it is 1.6-4.7x faster than widening the weights to float32
+for BLAS at 64-512 rows, so a prompt's forward and a decode step compute a token alike. Norms,
+attention and the residual stream stay float32.
 
 Quantization replaces `nn.Linear` modules by `Int8Linear` modules (module substitution, as
 bitsandbytes does); the model's own forward code is untouched. The input embedding keeps its
@@ -41,10 +41,6 @@ KERNEL_SOURCE = Path(__file__).parents[1] / "kernels" / "q8_matmul.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 # the kernel's instruction sets, most capable first, with the CPU flags each needs
 ISA_FLAGS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
-# Rows at or above which a matmul widens the weights and uses BLAS instead (prefill chunks), for
-# weights small enough that widening them costs little next to the matmul (not the output layer).
-BLAS_MIN_ROWS = 48
-BLAS_MAX_WEIGHTS = 1 << 24
 
 
 def _cpu_flags() -> set[str]:
@@ -168,16 +164,13 @@ def block_sums128(q: torch.Tensor, block: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Int8Weight:
     """An int8 weight as a product reads it: the kernel's packed layout, one float32 scale per
-    output row, the VNNI form's block sums, and, for weights small enough to widen cheaply (not
-    the output layer), a row-major copy that large row counts widen for one BLAS matmul. Without a
-    kernel, `ints` holds the int8 values in float32 for `reference_matmul` (the same results at
+    output row, and the VNNI form's block sums. Without a kernel, `ints` holds the int8 values in float32 for `reference_matmul` (the same results at
     float32 speed)."""
 
     packed: torch.Tensor  # pack_rows(q): [N8/8, K/8, 8, 8] int8
     scale: torch.Tensor  # [N] float32
     wsum128: torch.Tensor  # block_sums128(q, block): [N8/8, K/block, 8] int32
     block: int  # activation values per quantization block
-    qrows: torch.Tensor | None  # [N, K] int8 row-major, or None
     ints: torch.Tensor | None  # [N, K] float32 holding the int8 values where no kernel runs, else None
     kernel: Q8Kernel | None
 
@@ -186,14 +179,10 @@ class Int8Weight:
         return self.scale.shape[0], self.packed.shape[1] * 8
 
     def dequantized(self) -> torch.Tensor:
-        q = self.qrows if self.qrows is not None else unpack_rows(self.packed, self.shape[0])
-        return q * self.scale[:, None]  # int8 * float32 -> float32 in one pass
+        return unpack_rows(self.packed, self.shape[0]) * self.scale[:, None]  # int8 * float32 -> float32 in one pass
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous -> [M, N] float32: int8 activations on the kernel, or float32
-        activations on the widened weights for large row counts."""
-        if self.qrows is not None and x.shape[0] >= BLAS_MIN_ROWS:
-            return x @ self.dequantized().T
+        """x [M, K] float32 contiguous -> [M, N] float32, on the kernel (or its torch reference)."""
         if self.ints is not None:
             return reference_matmul(x, self.ints, self.scale, self.block)
         return self.kernel.matmul(x, self)
@@ -203,8 +192,8 @@ class Int8Weight:
         assert lo % 8 == 0 and (hi % 8 == 0 or hi == self.shape[0])
         cut = (lambda t: None if t is None else t[lo:hi])
         blocks = slice(lo // 8, -(-hi // 8))
-        return Int8Weight(self.packed[blocks], self.scale[lo:hi], self.wsum128[blocks], self.block, cut(self.qrows),
-                          cut(self.ints), self.kernel)
+        return Int8Weight(self.packed[blocks], self.scale[lo:hi], self.wsum128[blocks], self.block, cut(self.ints),
+                          self.kernel)
 
 
 def fuse_int8(weights: list[Int8Weight]) -> Int8Weight:
@@ -214,10 +203,8 @@ def fuse_int8(weights: list[Int8Weight]) -> Int8Weight:
         raise ValueError("int8 weights fuse along whole blocks of 8 rows of one width")
     both = (lambda name: None if any(getattr(w, name) is None for w in weights)
             else torch.cat([getattr(w, name) for w in weights]))
-    n = sum(w.shape[0] for w in weights)
-    qrows = both("qrows") if n <= BLAS_MAX_WEIGHTS // weights[0].shape[1] else None
     return Int8Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
-                      torch.cat([w.wsum128 for w in weights]), weights[0].block, qrows, both("ints"), weights[0].kernel)
+                      torch.cat([w.wsum128 for w in weights]), weights[0].block, both("ints"), weights[0].kernel)
 
 
 class Int8Linear(nn.Module):
@@ -235,18 +222,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("wsum128", block_sums128(q, self.block))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
-        # row-major int8 beside the packed copy, so widening for BLAS is one pass (small weights only)
-        self.qrows = q if q.numel() <= BLAS_MAX_WEIGHTS else None
         self.ints = q.float() if kernel is None else None
 
     @property
     def weight(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale, self.wsum128, self.block, self.qrows, self.ints, self.kernel)
+        return Int8Weight(self.qweight, self.scale, self.wsum128, self.block, self.ints, self.kernel)
 
     def rebind(self, w: Int8Weight) -> None:
         """Hold `w` (same shape: a view of a fused weight's rows) instead of its own tensors."""
         assert w.shape == (self.out_features, self.in_features)
-        self.qweight, self.scale, self.wsum128, self.qrows, self.ints = w.packed, w.scale, w.wsum128, w.qrows, w.ints
+        self.qweight, self.scale, self.wsum128, self.ints = w.packed, w.scale, w.wsum128, w.ints
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

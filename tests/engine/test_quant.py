@@ -29,7 +29,7 @@ def kernel(request, tmp_path_factory):
 def int8_weight(w: torch.Tensor, kernel) -> Int8Weight:
     q, scale = quantize_rows(w)
     block = activation_block(w.shape[1])
-    return Int8Weight(pack_rows(q), scale, block_sums128(q, block), block, None, None, kernel)
+    return Int8Weight(pack_rows(q), scale, block_sums128(q, block), block, None, kernel)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 7, 32), (3, 33, 64), (4, 256, 640), (5, 1025, 128), (9, 64, 2048),
@@ -94,16 +94,16 @@ def test_row_results_do_not_depend_on_the_batch(kernel):
 
 
 def test_int8_linear_paths_agree(kernel):
+    """The module on the kernel and on the torch reference (no kernel): bitwise, at decode and
+    prefill row counts; and close to the float32 product of the same int8 weights."""
     torch.manual_seed(1)
     lin = nn.Linear(128, 96, bias=True)
     fast, fallback = Int8Linear(lin, kernel), Int8Linear(lin, None)
-    for rows in (1, 7):  # the kernel against the torch reference: bitwise
+    for rows in (1, 7, 64, 300):
         x = torch.randn(2, rows, 128)
-        assert torch.equal(fast(x), fallback(x))
-    x = torch.randn(2, 64, 128)  # BLAS on widened weights and float32 activations, both paths
+        assert torch.equal(fast(x), fallback(x)), rows
     ref = x @ fast.weight.dequantized().T + lin.bias
-    torch.testing.assert_close(fast(x), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fallback(x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast(x), ref, rtol=0.05, atol=0.05)
 
 
 def test_instruction_set_choice(tmp_path, monkeypatch, caplog):
@@ -191,7 +191,7 @@ def test_fused_forward_on_int8_weights_equals_the_stock_layers(kernel, tmp_path)
     assert attn.q_proj.qweight.data_ptr() == L0.wqkv.packed.data_ptr()  # a view, not a copy
     assert attn.k_proj.qweight.data_ptr() == L0.wqkv.packed[attn.q_proj.out_features // 8].data_ptr()
     reqs = lambda: [Request(f"r{i}", [2] + [(37 * i + 11 * t) % 500 + 3 for t in range(20 + 40 * i)], greedy(24))
-                    for i in range(4)]  # noqa: E731  (prompts up to 141 tokens: BLAS prefill chunks too)
+                    for i in range(4)]  # noqa: E731  (prompts up to 141 tokens: long prefill chunks too)
     a, b = Recorder(fused), Recorder(stock)
     out_a, out_b = run_all(fused, reqs()), run_all(stock, reqs())
     assert out_a == out_b
