@@ -22,13 +22,16 @@ def kernel(tmp_path_factory):
         pytest.skip(f"no C compiler here: {e}")
 
 
-@pytest.mark.parametrize("b,h,hkv,d,window", [(1, 4, 1, 256, None), (5, 4, 1, 64, None), (3, 8, 2, 32, 7),
-                                              (6, 2, 2, 16, 40)])
-def test_kernel_matches_sdpa_on_gathered_keys(kernel, b, h, hkv, d, window):
-    g = torch.Generator().manual_seed(b * 100 + h + d)
-    slots_total = 400
+@pytest.mark.parametrize("b,h,hkv,d,window,longest", [(1, 4, 1, 256, None, 90), (5, 4, 1, 64, None, 90),
+                                                      (3, 8, 2, 32, 7, 90), (6, 2, 2, 16, 40, 90),
+                                                      (1, 4, 1, 64, None, 1300), (4, 4, 1, 32, 600, 1300)])
+def test_kernel_matches_sdpa_on_gathered_keys(kernel, b, h, hkv, d, window, longest):
+    """Rows of one key to 1,300 (several splits of 256 keys, merged), windows cutting the front."""
+    g = torch.Generator().manual_seed(b * 100 + h + d + longest)
+    slots_total = 2000
     pool_k, pool_v = torch.randn(slots_total, hkv, d, generator=g), torch.randn(slots_total, hkv, d, generator=g)
-    ends = torch.randint(1, 90, (b,), generator=g)
+    ends = torch.randint(1, longest, (b,), generator=g)
+    ends[-1] = longest
     ends[0] = 1  # a row with one key
     L = int(ends.max())
     slots = torch.stack([torch.randperm(slots_total, generator=g)[:L] for _ in range(b)])
