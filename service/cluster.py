@@ -134,9 +134,20 @@ class EngineReplica:
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name)]
                     yield {"status": message["status"], "headers": headers}
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body", False):
+                    # Every chunk crosses Ray (and the gateway) as a message of its own, at a cost
+                    # per message: the body chunks already waiting go as one (SSE events are
+                    # whole messages, so joined they are the same stream, fewer and larger).
+                    chunks, more = [message.get("body", b"")], message.get("more_body", False)
+                    while more and not sent.empty():
+                        queued = sent.get_nowait()
+                        if queued is None or queued["type"] != "http.response.body":
+                            sent.put_nowait(queued)  # not a body: handled by the loop (None: after it)
+                            break
+                        chunks.append(queued.get("body", b""))
+                        more = queued.get("more_body", False)
+                    if any(chunks):
+                        yield b"".join(chunks)
+                    if not more:
                         break
             if task.done() and task.exception() is not None:
                 raise task.exception()
