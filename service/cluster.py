@@ -57,6 +57,10 @@ class ClusterSettings:
     # a replica past this many requests in flight refuses more; a session's request then goes to
     # the next replica on its ring (bounded load)
     max_ongoing_requests: int = 0  # 0: the serve settings' queue size
+    # A response's chunks cross Ray (replica -> gateway -> Serve's proxy) as one message each, at a
+    # cost per message: a replica sends at most one message per stream per interval, the chunks
+    # that arrive meanwhile joined (0: every chunk as it comes)
+    stream_interval_s: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -92,12 +96,13 @@ def session_key(path: str, headers, body: bytes) -> str:
 class EngineReplica:
     """One replica: the `s5serve serve` app and its engine process, driven over ASGI in-process."""
 
-    async def __init__(self, settings: Settings) -> None:
+    async def __init__(self, settings: Settings, stream_interval_s: float = 0.0) -> None:
         from ray import serve
 
         from service.app import create_app
 
         self.app = create_app(settings)
+        self.stream_interval_s = stream_interval_s
         self.state = self.app.state.s5
         self.name = serve.get_replica_context().replica_id.unique_id.encode()
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -128,25 +133,33 @@ class EngineReplica:
 
         task = asyncio.create_task(self.app(scope, receive, send))
         task.add_done_callback(lambda _: sent.put_nowait(None))
+        loop = asyncio.get_running_loop()
+        next_send = 0.0  # when this stream may send its next message
         try:
             while (message := await sent.get()) is not None:
                 if message["type"] == "http.response.start":
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name)]
                     yield {"status": message["status"], "headers": headers}
                 elif message["type"] == "http.response.body":
-                    # Every chunk crosses Ray (and the gateway) as a message of its own, at a cost
-                    # per message: the body chunks already waiting go as one (SSE events are
-                    # whole messages, so joined they are the same stream, fewer and larger).
+                    # chunks are whole SSE events: joined, they are the same stream in fewer messages
                     chunks, more = [message.get("body", b"")], message.get("more_body", False)
-                    while more and not sent.empty():
-                        queued = sent.get_nowait()
-                        if queued is None or queued["type"] != "http.response.body":
-                            sent.put_nowait(queued)  # not a body: handled by the loop (None: after it)
+                    while more:
+                        wait = next_send - loop.time()
+                        if sent.empty() and wait <= 0:
+                            break
+                        try:  # what arrives before this stream's next send goes with it
+                            queued = sent.get_nowait() if not sent.empty() else await asyncio.wait_for(
+                                sent.get(), wait)
+                        except TimeoutError:
+                            break
+                        if queued is None:  # the app ended: the loop ends after this message
+                            sent.put_nowait(None)
                             break
                         chunks.append(queued.get("body", b""))
                         more = queued.get("more_body", False)
                     if any(chunks):
                         yield b"".join(chunks)
+                        next_send = loop.time() + self.stream_interval_s
                     if not more:
                         break
             if task.done() and task.exception() is not None:
@@ -284,7 +297,7 @@ def build_app(cluster: ClusterSettings):
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=s.drain_grace_s,
         logging_config=quiet,
-    ).bind(replica_settings)
+    ).bind(replica_settings, cluster.stream_interval_s)
     gateway = serve.deployment(Gateway).options(
         name=GATEWAY_DEPLOYMENT, num_replicas=cluster.gateways, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000, logging_config=quiet,
@@ -327,6 +340,10 @@ def cluster_parser():
                    help="GPUs each replica reserves; 0.5 puts two replicas on one GPU "
                         "[default: 1 with --device cuda, else 0]")
     g.add_argument("--gateways", type=int, default=1, help="ingress replicas (stateless) [default: 1]")
+    g.add_argument("--stream-interval-ms", type=float, default=20.0,
+                   help="a replica sends a stream's tokens at most once per this many ms (the tokens "
+                        "made meanwhile go together): each message through Ray costs, so under load "
+                        "fewer, larger ones keep up with the engine; 0 sends each as it comes [default: 20]")
     g.add_argument("--ray-address", default=None,
                    help="a running Ray cluster to join (auto: the one started on this machine by "
                         "`ray start`); default: start Ray in this process, on this machine only")
@@ -348,8 +365,10 @@ def parse_cluster_args(argv: list[str] | None = None) -> ClusterSettings:
         p.error("replicas share their sessions through PostgreSQL: give --session-db postgresql://... "
                 "(or --session-db none: sessions in memory, lost with their replica)")
     gpus = a.replica_gpus if a.replica_gpus is not None else (1.0 if settings.engine.device.startswith("cuda") else 0.0)
+    if a.stream_interval_ms < 0:
+        p.error("--stream-interval-ms must be at least 0")
     return ClusterSettings(serve=settings, replicas=a.replicas, replica_cpus=a.replica_cpus, replica_gpus=gpus,
-                           gateways=a.gateways)
+                           gateways=a.gateways, stream_interval_s=a.stream_interval_ms / 1e3)
 
 
 def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:

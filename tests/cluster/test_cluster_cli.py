@@ -20,6 +20,10 @@ def test_flags_are_serve_s_plus_the_cluster_s():
     gpu = parse_cluster_args(["--device", "cuda", "--session-db", "none"])
     assert gpu.replica_gpus == 1.0 and gpu.serve.engine.session_db is None
     assert parse_cluster_args(["--device", "cuda", "--replica-gpus", "0.5", "--session-db", "none"]).replica_gpus == 0.5
+    assert c.stream_interval_s == 0.02
+    assert parse_cluster_args(["--stream-interval-ms", "0", "--session-db", "none"]).stream_interval_s == 0.0
+    with pytest.raises(SystemExit):
+        parse_cluster_args(["--stream-interval-ms", "-1"])
 
 
 def test_workers_import_path_keeps_the_drivers(monkeypatch, tmp_path):
