@@ -161,18 +161,23 @@ def start(binary: Path, gguf: Path, port: int, n_parallel: int, threads: int, ct
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(server_args(binary, gguf, port, n_parallel, threads, ctx), stdout=out,
                             stderr=subprocess.STDOUT)
+    return wait_until_up(proc, f"http://127.0.0.1:{port}/health", log, timeout, "llama-server")
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path | None, timeout: float, name: str) -> subprocess.Popen:
+    """`proc`, once `url` answers 200; exits with its log's tail if it dies first or never does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited:\n{log.read_text()[-3000:] if log else ''}")
+            raise SystemExit(f"{name} exited:\n{log.read_text()[-3000:] if log else ''}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
     proc.kill()
-    raise SystemExit("llama-server never became healthy")
+    raise SystemExit(f"{name} never became ready")
 
 
 def main() -> None:

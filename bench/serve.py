@@ -309,19 +309,9 @@ def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serv
     if a.threads:  # the server's (every replica's) engine threads; Ray gives an actor 1 unless told
         env["OMP_NUM_THREADS"] = str(a.threads)
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server never became ready")
+    from bench.llama_cpp import wait_until_up
+
+    return wait_until_up(proc, f"http://127.0.0.1:{port}/ready", log, 900, "server")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -61,6 +61,12 @@ static inline void store_rows(__m256 acc, const float *scale, float *y, int m, i
     for (int r = 0; r < nvalid; r++) y[(int64_t)m * N + n0 + r] = scale[n0 + r] * v[r];
 }
 
+/* A block's 8 row sums into the rows' float32 sums: converted, times the block's activation
+   scale, added (a product and a sum, as reference_matmul computes them). */
+static inline __m256 add_block(__m256 acc, __m256i dot, float sx) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sx)));
+}
+
 #define VNNI_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
 
 /* MT activation rows (xu = xq + 128) against G blocks of 8 weight rows. In acc, lane l sums row
@@ -102,8 +108,7 @@ static inline VNNI_TARGET __attribute__((always_inline)) void vnni_tile(
             for (int i = 0; i < MT; i++) {
                 const __m512i pairs = _mm512_add_epi32(acc[i][g], _mm512_srli_epi64(acc[i][g], 32));
                 const __m256i dot = _mm256_sub_epi32(_mm512_cvtepi64_epi32(pairs), corr);
-                yacc[i][g] = _mm256_add_ps(yacc[i][g], _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
-                                                                     _mm256_set1_ps(sx[(int64_t)(m0 + i) * nb + b])));
+                yacc[i][g] = add_block(yacc[i][g], dot, sx[(int64_t)(m0 + i) * nb + b]);
             }
         }
     }
@@ -157,8 +162,7 @@ static inline __attribute__((always_inline)) void avx2_tile(
                 const __m256i lo = _mm256_hadd_epi32(acc[i][g][0], acc[i][g][1]);
                 const __m256i hi = _mm256_hadd_epi32(acc[i][g][2], acc[i][g][3]);
                 const __m256i dot = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), order);
-                yacc[i][g] = _mm256_add_ps(yacc[i][g], _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
-                                                                     _mm256_set1_ps(sx[(int64_t)(m0 + i) * nb + b])));
+                yacc[i][g] = add_block(yacc[i][g], dot, sx[(int64_t)(m0 + i) * nb + b]);
             }
     }
 #pragma GCC unroll 2
