@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     ap.add_argument("--fidelity-policies", nargs="+", choices=sorted(POLICIES),
                     help="policies for perplexity and agreement (default: --policies, plus s5-w256 in the full run)")
     ap.add_argument("--gaps", type=int, nargs="+", help="unrelated turns between needle and question")
+    ap.add_argument("--multi-turn-policies", nargs="+", choices=sorted(POLICIES),
+                    help="policies for the multi-turn part (default: --policies)")
     ap.add_argument("--agreement-prompts", type=int)
     ap.add_argument("--agreement-len", type=int, default=768, help="prompt tokens for greedy agreement")
     ap.add_argument("--ppl-docs", type=int)
@@ -372,9 +374,10 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     grid = needle_grid(loaded, base, policies, lengths, depths, cases)
     tables = {p: cell_table(grid["hits"][p], lengths, depths, cases) for p in policies}
     phases["needle_grid"] = time.perf_counter() - t_start
-    mt = multi_turn(loaded, base, policies, gaps, max(2, cases))
+    mt_policies = a.multi_turn_policies or policies
+    mt = multi_turn(loaded, base, mt_policies, gaps, max(2, cases))
     phases["multi_turn"] = time.perf_counter() - t_start - sum(phases.values())
-    mt_by_gap = {p: {str(g): sum(v for (gg, _), v in mt[p].items() if gg == g) for g in gaps} for p in policies}
+    mt_by_gap = {p: {str(g): sum(v for (gg, _), v in mt[p].items() if gg == g) for g in gaps} for p in mt_policies}
 
     greedy_by_policy = {}
     if n_agree:
@@ -416,9 +419,9 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     for p in policies:
         print(f"  {p:>8}: by needle {by_kind[p]}, by filler {by_filler[p]}")
     print(f"\nmulti-turn recall (needle in turn 1, question after N unrelated turns; of {max(2, cases)} per gap)")
-    print(f"{'gap':>4} " + " ".join(f"{p:>8}" for p in policies))
+    print(f"{'gap':>4} " + " ".join(f"{p:>8}" for p in mt_policies))
     for g in gaps:
-        print(f"{g:>4} " + " ".join(f"{mt_by_gap[p][str(g)]:>8}" for p in policies))
+        print(f"{g:>4} " + " ".join(f"{mt_by_gap[p][str(g)]:>8}" for p in mt_policies))
     if ppl or agree:
         print("\nfidelity on the corpus")
         print(f"{'policy':>8} {'perplexity':>10} {'token agreement':>16} {'identical 64':>13}")
