@@ -86,12 +86,23 @@ class TokenizerPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def tokenize(state, text: str, **kwargs) -> list[int]:
+async def tokenize(state, text: str, add_special_tokens: bool = True) -> list[int]:
     """`tokenizer(text)["input_ids"]`, off the event loop for long texts."""
     tok = state.tokenizer
     if len(text) > OFF_LOOP_CHARS:
-        return (await state.tokenizer_pool.run(tok, text, **kwargs))["input_ids"]
-    return tok(text, **kwargs)["input_ids"]
+        return await state.tokenizer_pool.run(long_text_ids, tok, text, add_special_tokens)
+    return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def long_text_ids(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids `tok(text)` gives, through the Rust tokenizer directly where there is one: it holds
+    the GIL only to hand back the ids, where the Python wrapper holds it for several milliseconds
+    of bookkeeping. A pool thread runs at a lower priority, and a GIL it holds while the engine's
+    threads have the cores stalls the event loop (every live stream) until it is scheduled again."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 async def render_chat(state, messages: list[dict[str, str]], history_len: int, tail: list[int],

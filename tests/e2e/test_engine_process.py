@@ -62,14 +62,15 @@ def test_concurrent_streams_equal_the_engine_in_process():
 def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
     """8 streams decode on the embedded model; a ~40k-token prompt arrives (the front end
     tokenizes it, the engine refuses it: over the context). No stream's gap between tokens grows
-    by more than 50 ms over its own typical gap while that happens."""
+    by more than 50 ms over its own typical gap while that happens, or, where the machine itself
+    is that noisy, by more than it did in a quiet window of the same length just before."""
     settings = Settings(engine=EngineConfig(model="embedded", quantization="int8", max_rows=8,
                                             kv_cache_bytes=64 << 20), port=free_port())
     srv = LiveServer(settings).start()
     huge = "The quick brown fox jumps over the lazy dog while counting sheep. " * 3100
 
     async def stream(client, i, arrivals):
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
                 "stream": True, "return_token_ids": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -81,29 +82,38 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
         arrivals = {i: [] for i in range(8)}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
             tasks = [asyncio.create_task(stream(client, i, arrivals)) for i in range(8)]
-            while min(len(a) for a in arrivals.values()) < 15:  # all decoding
+            while min(len(a) for a in arrivals.values()) < 10:  # all decoding
                 await asyncio.sleep(0.01)
+            c0 = time.monotonic()
+            await asyncio.sleep(1.5)  # the quiet window
             t0 = time.monotonic()
             r = await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 4})
             t1 = time.monotonic()
             await asyncio.gather(*tasks)
-        return arrivals, r, t0, t1
+        return arrivals, r, c0, t0, t1
 
     try:
-        arrivals, r, t0, t1 = asyncio.run(run())
+        arrivals, r, c0, t0, t1 = asyncio.run(run())
     finally:
         srv.stop()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "40" in r.json()["error"]["message"] or "prompt" in r.json()["error"]["message"]
-    worst = 0.0
-    for times in arrivals.values():
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        typical = sorted(gaps)[len(gaps) // 2]
-        during = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
-        worst = max([worst, *(g - typical for g in during)])
-    print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {worst * 1e3:.1f} ms")
+
+    def worst_extra(touches):  # the largest gap over its stream's typical gap, of gaps `touches` keeps
+        worst = 0.0
+        for times in arrivals.values():
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            typical = sorted(gaps)[len(gaps) // 2]
+            worst = max([worst, *(b - a - typical for a, b in zip(times, times[1:]) if touches(a, b))])
+        return worst
+
+    during = worst_extra(lambda a, b: b >= t0 and a <= t1)
+    quiet = worst_extra(lambda a, b: a >= c0 and b < t0)
+    print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms "
+          f"(quiet window: {quiet * 1e3:.1f} ms)")
     assert t1 - t0 > 0.1  # the prompt really cost the front end time
-    assert worst <= 0.05
+    assert max(arrivals[0]) > t1  # the streams were still live after it
+    assert during <= max(0.05, quiet)
 
 
 @pytest.mark.slow
