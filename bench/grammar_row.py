@@ -15,8 +15,8 @@ a first request's grammar.
     nice -n 10 python -m bench.grammar_row [--n 32] [--steps 8] [--repeats 3] [--sampled]
 
 On a GPU, a BENCH.md shape with random weights and a real tokenizer of its vocabulary (the grammar
-needs one); there a grammar row also turns off steps launched ahead while it decodes, which is
-what the ratio measures beside the row's own work:
+needs one); there steps keep launching ahead of the host with a grammar row in them (its mask is
+filled while the device runs the next forward), and the ratio measures what is left of its cost:
 
     python -m bench.grammar_row --shape gemma3-1b --tokenizer DIR --device cuda --dtype bfloat16 \
         --n 32 --steps 64 --repeats 5

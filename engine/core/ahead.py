@@ -11,6 +11,11 @@ otherwise (EOS, a stop string) was fed one token too many: each row launched ahe
 `LiveRequest.ahead` = (lane, position), and the engine's `_finish` undoes that token's forward
 (`RowPool.undo_decode`), so the row is exactly what the plain order of steps leaves.
 
+A row with a grammar samples under a mask that needs its previous token accepted: with such rows
+in the step, the pending step is applied right after the next forward is launched, the masks are
+filled while the device runs that forward, and the picks are queued behind it (on the device,
+like every asking row's), so the host's work still overlaps the device's.
+
 The engine owns this object; it borrows the engine's runner, scheduler, pool, live requests and
 counters, and is handed the engine's `apply` and `finish` for each step it applies (held for the
 call only, so nothing here refers back to the engine).
@@ -25,6 +30,7 @@ import torch
 
 from engine.core.requests import LiveRequest
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.structured import Grammars, TokenMasks
 from engine.core.types import FinishReason, RequestOutput, StepLogits, TokenLogprobs
 from engine.kv.rows import RowPool
 from engine.runner.attention import ForwardChunk
@@ -46,12 +52,13 @@ class Pending(NamedTuple):
 
 class AheadSteps:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, pool: RowPool, live: dict[str, LiveRequest],
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], grammars: Grammars) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.pool = pool
         self.live = live  # the engine's live requests: request id -> LiveRequest
         self.stats = stats
+        self.grammars = grammars  # the engine's: a step's grammar masks
         self.pending: Pending | None = None  # a static decode step launched, not yet applied
 
     def launch(self, plan: SchedulerOutput, lives: list[LiveRequest], inputs: list[RunnerInput],
@@ -60,47 +67,65 @@ class AheadSteps:
         its tokens are picked on the device and copied to the host behind it (`step` applies
         it). False: the engine applies it now."""
         logits, owners, greedy = out
-        if not (greedy is not None and len(owners) == len(inputs) and all(c.decode for c in plan.chunks)
-                and all(lv.grammar is None for lv in lives)):  # a grammar's mask needs the token before
+        if not (greedy is not None and len(owners) == len(inputs) and all(c.decode for c in plan.chunks)):
+            return False
+        masks, failed = self.grammars.step_masks([lv.grammar for lv in lives], ())
+        if failed:  # the plain path ends those rows with the grammar's error
             return False
         try:
-            self.pending = self._pend(lives, inputs, logits, greedy)
+            fetch = self._fetch(lives, logits, greedy, masks)
         except Exception:  # sampling failed: the plain path ends those rows with the error
             return False
+        positions = [i.chunk.start for i in inputs]
+        self._mark(lives, positions)
+        self.pending = Pending(lives, positions, fetch)
         return True
 
-    def _pend(self, lives: list[LiveRequest], inputs: list[RunnerInput], logits: torch.Tensor,
-              greedy: torch.Tensor) -> Pending:
-        """A launched static step, pending: its tokens picked on the device and on their way to
-        the host; each row is marked as fed one token ahead."""
-        fetch = self.runner.fetch_picks(logits, greedy, [lv.request.params for lv in lives],
-                                        [lv.generator for lv in lives], [lv.logits_state for lv in lives])
-        positions = [i.chunk.start for i in inputs]
+    def _fetch(self, lives: list[LiveRequest], logits: torch.Tensor, greedy: torch.Tensor,
+               masks: TokenMasks | None) -> GreedyFetch:
+        """A launched static step's tokens picked on the device (under the grammar rows' masks)
+        and on their way to the host."""
+        return self.runner.fetch_picks(logits, greedy, [lv.request.params for lv in lives],
+                                       [lv.generator for lv in lives], [lv.logits_state for lv in lives], masks)
+
+    @staticmethod
+    def _mark(lives: list[LiveRequest], positions: list[int]) -> None:
+        """Each row as fed one token ahead: undone if the row ends before that step is applied."""
         for lane, live in enumerate(lives):
             live.ahead = (lane, positions[lane])
-        return Pending(lives, positions, fetch)
 
     def _is_live(self, live: LiveRequest) -> bool:
         return self.live.get(live.request_id) is live
 
+    def _chainable(self, prev: Pending, hooked: bool) -> list[tuple[int, LiveRequest]]:
+        """The pending step's lanes that the next step feeds: every running request is in it,
+        and none ends by length at the pending step (the host knows that in advance)."""
+        if hooked:
+            return []
+        running = self.scheduler.decoding()
+        still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv)]
+        if set(running) != {lv.request_id for _, lv in still}:
+            return []
+        return [(lane, live) for lane, live in still
+                if len(live.output_ids) + 1 < live.request.params.max_tokens and prev.positions[lane] + 2 < live.max_len]
+
     def step(self, apply: Apply, finish: Finish, hooked: bool) -> list[RequestOutput]:
         """Launch the next static decode step, if the next step is one, then apply the pending
         one while the device runs it. A sampling row draws its next token right after the launch,
-        on the device, so its draws come in the order they would without the overlap. `hooked`:
+        on the device, so its draws come in the order they would without the overlap. A row with
+        a grammar needs the pending step's token accepted before its mask for the next step can
+        be filled: with such rows the pending step is applied right after the launch, the masks
+        filled while the device still runs the forward, and the picks queued behind it. `hooked`:
         the engine calls a logits hook, which needs every step's logits on the host (nothing is
         launched ahead)."""
         prev, self.pending = self.pending, None
-        chained, failure = [], None
-        running = self.scheduler.decoding() if not hooked else None
-        still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv)]
-        if running is not None and set(running) == {lv.request_id for _, lv in still}:
-            for lane, live in still:
-                p = prev.positions[lane]
-                if len(live.output_ids) + 1 < live.request.params.max_tokens and p + 2 < live.max_len:
-                    chained.append((lane, live))
+        chained = self._chainable(prev, hooked)
+        lives = [lv for _, lv in chained]
+        outputs: list[RequestOutput] = []
+        failure = None
         if chained:
             inputs = []
-            for _, live in chained:
+            for live in lives:
                 start = self.pool.kv_len(live.row)
                 inputs.append(RunnerInput(ForwardChunk(live.row, 1, start, start, True), [0], True))
             self.stats["steps"] += 1
@@ -110,13 +135,21 @@ class AheadSteps:
             except Exception as exc:  # the forward failed: its rows end once the pending step is applied
                 failure = f"forward failed: {exc}"
             else:
+                positions = [i.chunk.start for i in inputs]
+                self._mark(lives, positions)
+                if any(lv.grammar is not None for lv in lives):
+                    outputs, prev = self._apply(prev, apply, finish), None
+                masks, failed = self.grammars.step_masks(
+                    [lv.grammar if self._is_live(lv) else None for lv in lives], ())
+                outputs += [finish(lives[j], FinishReason.ERROR, error=error) for j, error in failed.items()]
                 try:
-                    self.pending = self._pend([lv for _, lv in chained], inputs, logits, greedy)
+                    self.pending = Pending(lives, positions, self._fetch(lives, logits, greedy, masks))
                 except Exception as exc:
                     failure = f"sampling failed: {exc}"
-        outputs = self._apply(prev, apply, finish)
+        if prev is not None:
+            outputs += self._apply(prev, apply, finish)
         if failure is not None:
-            outputs += [finish(lv, FinishReason.ERROR, error=failure) for _, lv in chained if self._is_live(lv)]
+            outputs += [finish(lv, FinishReason.ERROR, error=failure) for lv in lives if self._is_live(lv)]
         if self.pending is not None and not any(self._is_live(lv) for lv in self.pending.lives):
             self.pending = None  # every row it fed ended (and was undone): nothing to apply
         return outputs

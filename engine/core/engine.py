@@ -104,7 +104,8 @@ class Engine:
                                       self.grammars, self.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
         # steady decoding launched ahead of the host (ahead.py); None: steps applied in order
-        self.ahead = AheadSteps(self.runner, self.scheduler, self.pool, self._live, self.stats) if overlap else None
+        self.ahead = (AheadSteps(self.runner, self.scheduler, self.pool, self._live, self.stats, self.grammars)
+                      if overlap else None)
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
         self.ended_between_steps: list[RequestOutput] = []

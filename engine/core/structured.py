@@ -14,9 +14,10 @@ Per step, `step_masks` fills one bitmask row (1 bit per token) for each row with
 after that row's previous token was accepted (`RowGrammar.accept`, where the engine applies
 tokens); the sampler applies the masks to those rows only, after their penalties and before
 their pick and logprobs (runner/sampler.py `asking_picks`, runner/token_mask.py). A grammar that
-can go no further ends its request (finish reason stop). The engine does not launch a step ahead
-(`Engine._step_ahead`) while a row with a grammar runs: that row's next mask needs the token the
-step before produced.
+can go no further ends its request (finish reason stop). Steps launched ahead (core/ahead.py)
+keep running with grammar rows: a row's next mask needs the token the step before produced, so
+that step is applied and the masks filled while the device runs the next forward, and the picks
+are queued behind it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from engine.runner.decode_graph import GraphDecoder, GreedyFetch
 from engine.runner.sampler import asking_picks
 from engine.kernels import launch
 from engine.kv.rows import RowPool
+from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, StepLogits
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,22 @@ class ModelRunner:
         return StepLogits(logits, owners, None)
 
     def fetch_picks(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
-                    generators: list[torch.Generator], states: list | None = None) -> GreedyFetch:
+                    generators: list[torch.Generator], states: list | None = None,
+                    masks: TokenMasks | None = None) -> GreedyFetch:
         """A static step's tokens on their way to the host, and left on the device for the step
         launched next: its greedy tokens [2, n] (token, finite), with the pick of each row that
-        asks for more (sampling with its own generator, penalties, logprobs: `asking_picks`) in
-        its lane, and those rows' logprobs."""
+        asks for more (sampling with its own generator, penalties, logprobs, a grammar's mask in
+        `masks`, whose rows are lanes: `asking_picks`) in its lane, and those rows' logprobs."""
         asking = [j for j, p in enumerate(params) if not p.plain]
         picks, logprobs = greedy, None
         if asking:
             states = states or [None] * len(params)
+            if masks is not None:  # the masks' rows, as indices into `asking` (both ascending)
+                at = {j: i for i, j in enumerate(asking)}
+                masks = TokenMasks([at[j] for j in masks.rows], masks.bitmask)
             idx = torch.tensor(asking, dtype=torch.long, device=logits.device)
             got = asking_picks(logits.index_select(0, idx), [params[j] for j in asking],
-                               [generators[j] for j in asking], [states[j] for j in asking])
+                               [generators[j] for j in asking], [states[j] for j in asking], masks)
             picks = greedy.clone()
             picks[:, idx] = got.tokens
             self.decoder.feed_next(picks[0])

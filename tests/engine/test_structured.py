@@ -44,8 +44,7 @@ def _engine(tiny, **kw) -> Engine:
 def test_grammar_row_leaves_free_rows_unchanged(tiny, layout):
     """7 free rows (greedy and seeded sampling) give the same tokens alone and beside a grammar
     row (greedy or sampled), and the grammar rows' replies are valid JSON for the schema, ended by
-    the grammar (stop) well before max_tokens. With decode graphs and steps launched ahead, the
-    engine falls back to plain steps while the grammar row runs."""
+    the grammar (stop) well before max_tokens; on eager steps, and on static steps launched ahead."""
     kw = {} if layout == "eager" else {"decode_graphs": True, "overlap_steps": True}
     engine = _engine(tiny, **kw)  # stateless requests: each run leaves it as it found it
     tok = tiny.tokenizer
@@ -64,9 +63,8 @@ def test_grammar_row_leaves_free_rows_unchanged(tiny, layout):
         ended.extend(o for o in got if o.request_id == "g" and o.finished)
         return got
     engine.step = step
-    grammar_rows = [SamplingParams(max_tokens=40, grammar=_grammar(), temperature=0.8, seed=5)]
-    if layout == "eager":
-        grammar_rows.insert(0, SamplingParams(max_tokens=40, grammar=_grammar()))
+    grammar_rows = [SamplingParams(max_tokens=40, grammar=_grammar()),
+                    SamplingParams(max_tokens=40, grammar=_grammar(), temperature=0.8, seed=5)]
     for params in grammar_rows:
         crowd = run_all(engine, [Request("g", ask, params), *free])
         engine.check_invariants()
@@ -74,6 +72,58 @@ def test_grammar_row_leaves_free_rows_unchanged(tiny, layout):
         reply = json.loads(tok.decode(crowd["g"], skip_special_tokens=True))
         jsonschema.validate(reply, SCHEMA)
         assert ended.pop().finish_reason.value == "stop" and len(crowd["g"]) < 40
+
+
+@pytest.mark.parametrize("policy", ["s5", "native"])
+def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy):
+    """Grammar rows (greedy, sampled, with penalties and logprobs; stateless and on sessions)
+    beside free rows keep steps launched ahead: nearly every step while they decode has one in
+    flight with a grammar row in it. Every request's tokens, logprobs and finish reason equal the
+    plain order's, and a session whose grammar ended a step before the host knew has its extra
+    step undone: its row equals the plain order's."""
+    def make(overlap):
+        return Engine(EngineConfig(model="tiny-random", max_rows=8, kv_cache_bytes=1 << 24, kv_policy=policy,
+                                   kv_sink=2, kv_window=5, decode_graphs=True, overlap_steps=overlap), tiny)
+
+    tok = tiny.tokenizer
+    ask = tok("A user record as JSON:")["input_ids"]
+    regex = LLMatcher.grammar_from_regex("[a-z]{3,9} (yes|no)")
+
+    def requests(sids):
+        return [Request("g0", ask, SamplingParams(max_tokens=40, grammar=_grammar())),
+                Request("g1", ask, SamplingParams(max_tokens=40, grammar=_grammar(), temperature=0.8, seed=5,
+                                                  logprobs=2, presence_penalty=0.5), session_id=sids[0]),
+                Request("g2", tok("Answer:")["input_ids"], SamplingParams(max_tokens=20, grammar=regex),
+                        session_id=sids[1]),
+                *[Request(f"f{i}", tok(p)["input_ids"], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       temperature=0.0 if i % 2 else 0.9, seed=i))
+                  for i, p in enumerate(["Once upon a time", "def fib(n):", "Roses are red,"])]]
+
+    runs = {}
+    for overlap in (False, True):
+        engine = make(overlap)
+        sids = [engine.create_session(), engine.create_session()]
+        for r in requests(sids):
+            engine.add_request(r)
+        got, ahead_with_grammar = defaultdict(lambda: [[], [], None]), 0
+        while engine.has_work():
+            for o in engine.step():
+                assert o.error is None, o.error
+                got[o.request_id][0] += o.new_token_ids
+                got[o.request_id][1] += [round(lp[0], 4) for lp in o.logprobs or []]
+                if o.finished:
+                    got[o.request_id][2] = o.finish_reason
+            pending = engine.ahead.pending if engine.ahead is not None else None
+            ahead_with_grammar += pending is not None and any(lv.grammar is not None for lv in pending.lives)
+            engine.check_invariants()
+        runs[overlap] = (dict(got), [engine.pool.contents(engine.sessions[s].row) for s in sids], ahead_with_grammar)
+    (plain, plain_rows, _), (ahead, ahead_rows, launched) = runs[False], runs[True]
+    assert ahead == plain
+    assert all(plain[g][2].value == "stop" and len(plain[g][0]) < 40 for g in ("g0", "g1", "g2"))
+    assert launched >= 8  # the grammar rows ran on steps launched ahead
+    for a, b in zip(plain_rows, ahead_rows):
+        assert a[:2] == b[:2]  # length and ring positions
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a[2] + a[3], b[2] + b[3]))
 
 
 def test_bad_grammar_changes_nothing(tiny):

@@ -90,7 +90,8 @@ def test_cuda_forked_choices_equal_single_seeded_requests():
 def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
     """A grammar row (greedy and sampled) beside 6 free rows, with captured graphs and steps
     launched ahead: the free rows' tokens equal theirs alone, the grammar row's reply parses with
-    the schema's keys and types and is ended by the grammar before max_tokens."""
+    the schema's keys and types and is ended by the grammar before max_tokens, and every row's
+    tokens equal those of steps applied in order (the grammar row ran launched ahead)."""
     from llguidance import LLMatcher
 
     from service.structured import JSON_OPTIONS
@@ -106,10 +107,24 @@ def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
     alone, _ = run(engine, [replace(r) for r in free])
     for params in (SamplingParams(max_tokens=60, grammar=grammar),
                    SamplingParams(max_tokens=60, grammar=grammar, temperature=0.8, seed=5, logprobs=2)):
-        got, _ = run(engine, [Request("g", tok("{")["input_ids"], params), *[replace(r) for r in free]])
+        batch = [Request("g", tok("{")["input_ids"], params), *free]
+        got, _ = run(engine, [replace(r) for r in batch])
         assert {k: v for k, v in got.items() if k != "g"} == alone
+        plain, _ = run(cuda_engine(overlap=False, tokenizer=tok), [replace(r) for r in batch])
+        assert plain == got
         assert len(got["g"]) < 60
         reply = json.loads(tok.decode(got["g"], skip_special_tokens=True))
         assert set(reply) == {"name", "ok"} and isinstance(reply["name"], str) and isinstance(reply["ok"], bool)
         assert len(reply["name"]) <= 8
     assert engine.pool.used_rows() == []
+
+
+def test_cuda_bitmask_equals_the_cpus():
+    """Grammar masks unpacked on the device ban exactly the tokens the host's unpacking bans."""
+    from engine.runner.token_mask import apply_bitmask
+
+    vocab = 262_144 + 7  # a spare-bit tail in the last word
+    g = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(3, vocab, generator=g)
+    assert torch.equal(apply_bitmask(logits.cuda(), bitmask).cpu(), apply_bitmask(logits, bitmask))
