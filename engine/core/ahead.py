@@ -102,9 +102,9 @@ class AheadSteps:
         and none ends by length at the pending step (the host knows that in advance)."""
         if hooked:
             return []
-        running = self.scheduler.decoding()
+        running = self.scheduler.decoding()  # None: a request waits, or one prefills
         still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv)]
-        if set(running) != {lv.request_id for _, lv in still}:
+        if running is None or set(running) != {lv.request_id for _, lv in still}:
             return []
         return [(lane, live) for lane, live in still
                 if len(live.output_ids) + 1 < live.request.params.max_tokens and prev.positions[lane] + 2 < live.max_len]

@@ -42,3 +42,30 @@ def test_overlap_launches_ahead_and_undoes():
     assert out["b"] == (toks[: k + 1], FinishReason.STOP)
     assert len(calls) == 1 and calls[0][1] == 3 + k  # the position fed one step past the stop
     assert ahead.pool.kv_len(ahead.sessions[sid].row) == 3 + k
+
+
+def test_a_request_arriving_while_a_step_is_ahead():
+    """A request that arrives while a step is launched ahead waits for the pending step to be
+    applied (nothing more is launched ahead while it waits or prefills), then joins; the other
+    rows go on. Every request's tokens equal the plain order's with the same arrival (after the
+    first request's 5th token)."""
+    plain, ahead = engines("s5")
+
+    def run(engine):
+        for i in range(3):
+            engine.add_request(Request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True)))
+        got, joined, pending_when_joined = {f"r{i}": [] for i in range(4)}, False, None
+        while engine.has_work():
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+            if not joined and len(got["r0"]) >= 5:
+                pending_when_joined = engine.ahead is not None and engine.ahead.pending is not None
+                engine.add_request(Request("r3", [9, 8, 7, 6], SamplingParams(max_tokens=10, ignore_eos=True)))
+                joined = True
+            engine.check_invariants()
+        return got, pending_when_joined
+
+    want, _ = run(plain)
+    got, pending = run(ahead)
+    assert pending  # it arrived with a step in flight
+    assert got == want and [len(got[f"r{i}"]) for i in range(4)] == [16, 16, 16, 10]
