@@ -74,6 +74,9 @@ class EngineConfig:
     # each row's keys where the pool holds them (kernels/cpu_attention.py); False gathers them
     # into a copy for torch's SDPA.
     cpu_decode_attention: bool = True
+    # On the CPU, the fused forward's norms, residual adds and Q/K norms with RoPE run as the
+    # engine's C kernels (kernels/cpu_ops.py); False runs them as torch ops.
+    cpu_layer_ops: bool = True
     # The int8 CPU kernel's instruction set (model/quant.py): "auto" takes the most capable one
     # this CPU runs (AVX-512 VNNI, else AVX2); naming one fails at load where the CPU lacks it.
     # Every form gives the same results.

@@ -88,7 +88,8 @@ class Engine:
             config.overlap_steps if config.overlap_steps is not None else capture)
         self.runner = ModelRunner(loaded.model, self.pool, config.static_decode_batch, self.max_model_len,
                                   capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl,
-                                  nf4=config.nf4_kernels, paged_decode=_paged_decode_kernel(config, self.pool))
+                                  nf4=config.nf4_kernels, paged_decode=_paged_decode_kernel(config, self.pool),
+                                  cpu_ops=_cpu_layer_ops(config, self.pool))
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
@@ -425,11 +426,26 @@ def _paged_decode_kernel(config: EngineConfig, pool: RowPool):
     if pool.device.type != "cpu" or not config.cpu_decode_attention:
         return None
     from engine.kernels.cpu_attention import CpuDecodeAttention
+
+    return _cpu_kernel(CpuDecodeAttention, config, "decode attention gathers the keys for torch's SDPA")
+
+
+def _cpu_layer_ops(config: EngineConfig, pool: RowPool):
+    """The CPU's kernels for the fused forward's norms and RoPE where the config asks for them
+    and they build."""
+    if pool.device.type != "cpu" or not config.cpu_layer_ops:
+        return None
+    from engine.kernels.cpu_ops import CpuLayerOps
+
+    return _cpu_kernel(CpuLayerOps, config, "the layers' norms and RoPE run as torch ops")
+
+
+def _cpu_kernel(kind, config: EngineConfig, otherwise: str):
     from engine.kernels.native import KernelUnavailable
     from engine.model.loader import default_cache_dir
 
     try:
-        return CpuDecodeAttention(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        return kind(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
     except KernelUnavailable as e:
-        log.warning("%s; decode attention gathers the keys for torch's SDPA", e)
+        log.warning("%s; %s", e, otherwise)
         return None

@@ -237,10 +237,14 @@ def _warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0, pdl: bool = False) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0, pdl: bool = False,
+            cpu=None) -> torch.Tensor:
     """x [T, N] contiguous. `pdl` (every kernel wrapper here): launch with PDL (kernels/launch.py;
-    the caller checked that the device supports it)."""
+    the caller checked that the device supports it). `cpu` (here and below): the CPU's C kernels
+    (kernels/cpu_ops.py `CpuLayerOps`) for what they cover, or None: the torch references."""
     if not _use_triton(x):
+        if cpu is not None and cpu.supports(x):
+            return cpu.rmsnorm(x, w, eps, offset)
         return rmsnorm_ref(x, w, eps, offset)
     y = torch.empty_like(x)
     n = x.shape[-1]
@@ -250,11 +254,13 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0, p
     return y
 
 
-def add_rmsnorm(h, y, w_post, w_next, eps, offset=1.0, also=(), pdl=False):
+def add_rmsnorm(h, y, w_post, w_next, eps, offset=1.0, also=(), pdl=False, cpu=None):
     """h, y [T, N] contiguous. Returns (h + norm(y; w_post), norm(that; w_next), and its norm by
-    each weight of `also` (up to two)); h is updated in place on CUDA (it is the layer stack's
-    own residual stream)."""
+    each weight of `also` (up to two)); h is updated in place on CUDA and by the CPU kernel (it is
+    the layer stack's own residual stream)."""
     if not _use_triton(h):
+        if cpu is not None and not also and cpu.supports(h) and cpu.supports(y):
+            return cpu.add_rmsnorm(h, y, w_post, w_next, eps, offset)
         return add_rmsnorm_ref(h, y, w_post, w_next, eps, offset, also)
     assert len(also) <= 2
     outs = [torch.empty_like(h) for _ in range(1 + len(also))]
@@ -295,10 +301,13 @@ def _launch_qk_norm_rope(qkv, wq, wk, cos, sin, positions, inv_freq, scaling, he
 
 
 def qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset=1.0, v_norm=False, v_from_k=False,
-                 pdl=False):
+                 pdl=False, cpu=None):
     """See `qk_norm_rope_ref`. On CUDA, Q and K (and V with `v_norm`) are normalised and rotated
-    in place in `qkv`, and q, k, v are views of it (v a new tensor with `v_from_k`)."""
+    in place in `qkv`, and q, k, v are views of it (v a new tensor with `v_from_k`); so by the
+    CPU kernel (Q and K only: no `v_norm`, no `v_from_k`)."""
     if not _use_triton(qkv):
+        if cpu is not None and not (v_norm or v_from_k) and cpu.supports(qkv) and cpu.supports(cos):
+            return cpu.qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset)
         return qk_norm_rope_ref(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset, v_norm, v_from_k)
     cos, sin = cos.contiguous(), sin.contiguous()
     return _launch_qk_norm_rope(qkv, wq, wk, cos, sin, cos, cos, 1.0, heads, kv_heads, eps, offset, v_norm,

@@ -154,14 +154,14 @@ def unsupported(model) -> str | None:
     return None
 
 
-def build(model, pdl: bool = False) -> FusedGemma3 | None:
+def build(model, pdl: bool = False, cpu_ops=None) -> FusedGemma3 | None:
     """The fused forward, or None where the model runs the stock layers. `pdl`: launch the
-    kernels with PDL where the device supports it."""
+    kernels with PDL where the device supports it; `cpu_ops`: the CPU's C kernels, or None."""
     why = unsupported(model)
     if why is not None:
         log.info("stock layer forward: %s", why)
         return None
-    return FusedGemma3(model, pdl)
+    return FusedGemma3(model, pdl, cpu_ops)
 
 
 def _rope_angles(rotary, layer_types, dtype, device) -> dict[str, tuple[torch.Tensor, float]] | None:
@@ -235,8 +235,9 @@ class FusedDecoder:
     `rope_tables`, its angles for the kernels), the norm epsilon and the final norm; and whether
     its kernels are launched with PDL (`pdl`: asked for and supported by the device)."""
 
-    def __init__(self, model, pdl: bool = False) -> None:
+    def __init__(self, model, pdl: bool = False, cpu_ops=None) -> None:
         self.model = model
+        self.cpu = cpu_ops  # the CPU's C kernels (kernels/cpu_ops.py), or None
         base = model.get_decoder()
         cfg = base.config
         self.pdl = pdl and launch.supported(base.embed_tokens.weight.device)
@@ -270,9 +271,10 @@ class FusedDecoder:
         """A layer's attention from its fused projection qkv [T, ...]: Q and K norms and RoPE
         (`norm`: the family's further `qk_norm_rope` arguments), then the step's row attention.
         Returns [T, H * D]."""
-        if self.rope is None:
+        if L.layer_type in tables:
             cos, sin = tables[L.layer_type]
-            q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, self.eps, *norm, pdl=pdl)
+            q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, self.eps, *norm, pdl=pdl,
+                                   cpu=self.cpu)
         else:
             inv_freq, scaling = self.rope[L.layer_type]
             q, k, v = qk_norm_rope_at(qkv, L.q_norm, L.k_norm, positions, inv_freq, scaling, L.heads, L.kv_heads,
@@ -282,13 +284,17 @@ class FusedDecoder:
         return a.reshape(qkv.shape[0], -1)
 
     def _tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
-        """Per layer type, the module's RoPE tables (cos, sin [T, D]) where the kernels cannot
-        compute their entries themselves (`rope` None); else empty."""
+        """Per layer type, the RoPE tables (cos, sin [T, D]): the module's where the kernels cannot
+        compute their entries themselves (`rope` None); off CUDA, `rope_tables` once per forward
+        (not once per layer); else empty."""
         tables = {}
         if self.rope is None:
             for lt in self.layer_types:
                 cos, sin = self.rotary(h, positions[None], lt)
                 tables[lt] = (cos[0], sin[0])
+        elif h.device.type != "cuda":
+            for lt, (inv_freq, scaling) in self.rope.items():
+                tables[lt] = rope_tables(positions, inv_freq, scaling, h.dtype)
         return tables
 
 
@@ -296,8 +302,8 @@ class FusedGemma3(FusedDecoder):
     layers: list[_Layer]
 
     @torch.no_grad()
-    def __init__(self, model, pdl: bool = False) -> None:
-        super().__init__(model, pdl)
+    def __init__(self, model, pdl: bool = False, cpu_ops=None) -> None:
+        super().__init__(model, pdl, cpu_ops)
         for a, b in zip(self.layers, self.layers[1:]):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
@@ -322,16 +328,16 @@ class FusedGemma3(FusedDecoder):
         """Same contract as `hf_adapter.forward`: logits [n, vocab] (float32) of the tokens at
         `logits_index` (None: all), attention through `step`."""
         h, tables, pdl = self._embed(input_ids, positions)
-        eps = self.eps
-        x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl)
+        eps, cpu = self.eps, self.cpu
+        x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl, cpu=cpu)
         for n, L in enumerate(self.layers):
             a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
             o = self._project(a, L, "wo")
-            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl)
+            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl, cpu=cpu)
             m = gelu_mul(self._project(x, L, "wgu"), pdl=pdl)
             d = self._project(m, L, "wd")
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
-            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl)
+            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl, cpu=cpu)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)

@@ -29,17 +29,18 @@ class Prepared(NamedTuple):
     capturable: bool  # decode steps may be captured as CUDA graphs
 
 
-def prepare(model, device: torch.device, fused: bool, pdl: bool, nf4: bool = False) -> Prepared:
+def prepare(model, device: torch.device, fused: bool, pdl: bool, nf4: bool = False, cpu_ops=None) -> Prepared:
     """The forward to run `model` with on `device`. `fused`: the engine's own layer forward where
     the model allows it; `pdl`: its kernels launched with PDL (the device supports it); `nf4`:
-    bitsandbytes 4-bit linears repacked for the engine's NF4 kernels first."""
+    bitsandbytes 4-bit linears repacked for the engine's NF4 kernels first; `cpu_ops`: the CPU's
+    C kernels for the Gemma 3 forward's elementwise steps (kernels/cpu_ops.py), or None."""
     hf_adapter.use_row_attention(model)
     if fused:
         family = type(model.get_decoder()).__name__
         if nf4 and family in ("Gemma3TextModel", "Gemma4TextModel"):  # the families with a fused forward
             nf4_linear.repack(model)
         gemma4 = family == "Gemma4TextModel"
-        decoder = (fused_gemma4 if gemma4 else fused_forward).build(model, pdl)
+        decoder = fused_gemma4.build(model, pdl) if gemma4 else fused_forward.build(model, pdl, cpu_ops)
         if decoder is not None:
             return Prepared(decoder.forward, decoder, True)
     capturable = True

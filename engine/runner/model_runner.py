@@ -37,20 +37,22 @@ class RunnerInput(NamedTuple):
 class ModelRunner:
     def __init__(self, model, pool: RowPool, static_decode: int = 0, max_model_len: int = 0,
                  capture: bool = False, fused: bool = True, undoable: bool = False, pdl: bool = True,
-                 nf4: bool = False, paged_decode=None) -> None:
+                 nf4: bool = False, paged_decode=None, cpu_ops=None) -> None:
         """`static_decode` > 0: decode-only steps of up to that many rows run the fixed-size decode
         of decode_graph.py, captured as CUDA graphs when `capture`; `undoable`: their stores can
         be undone (steps launched ahead of the host). `fused`: the engine's own layer forward
         (fused_forward.py) where the model allows it, else the stock one. `pdl`: the engine's
         Triton kernels are launched with PDL where the device supports it (kernels/launch.py). `nf4`:
         bitsandbytes 4-bit linears run on the engine's NF4 kernels (EngineConfig.nf4_kernels).
-        `paged_decode`: the CPU's paged decode attention kernel (kernels/cpu_attention.py), or None."""
+        `paged_decode`: the CPU's paged decode attention kernel (kernels/cpu_attention.py), or None;
+        `cpu_ops`: the CPU's kernels for the fused forward's elementwise steps (kernels/cpu_ops.py),
+        or None."""
         self.model = model
         self.pool = pool
         self.paged_decode = paged_decode
         self.device = pool.device
         self.pdl = pdl and launch.supported(self.device)
-        prepared = prepare(model, self.device, fused, self.pdl, nf4)
+        prepared = prepare(model, self.device, fused, self.pdl, nf4, cpu_ops)
         self.forward, self.fused = prepared.forward, prepared.fused
         capture = capture and prepared.capturable
         self.decoder = None
