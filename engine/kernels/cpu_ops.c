@@ -5,16 +5,29 @@
 // independent (a row's result never depends on the batch); long inputs split rows over threads.
 //
 // Each follows the torch reference's operations (kernels/fused_ops.py `_norm`, `add_rmsnorm_ref`,
-// `qk_norm_rope_ref`) in the same order; the mean of squares is summed in double, so results equal
-// the reference to float rounding, not bitwise.
+// `qk_norm_rope_ref`) in the same order; the sum of squares is taken in an order of its own, so
+// results equal the reference to float rounding, not bitwise.
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #define PARALLEL_ROWS 16  // fewer rows than this run on the calling thread
 
+// 1 / sqrt(mean(x^2) + eps): squares summed in 16 float lanes, the lanes then in double
 static float inv_rms(const float *x, int64_t n, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(x0, x0));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(x1, x1));
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, a0);
+    _mm256_storeu_ps(lanes + 8, a1);
     double s = 0.0;
-    for (int64_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    for (int k = 0; k < 16; k++) s += lanes[k];
+    for (; i < n; i++) s += (double)x[i] * (double)x[i];
     float mean = (float)(s / (double)n);
     return 1.0f / sqrtf(mean + eps);
 }

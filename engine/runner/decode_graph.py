@@ -35,6 +35,7 @@ from engine.kv.rows import RowPool
 from engine.runner.logits_process import logprobs_unpack
 from engine.runner.sampler import greedy_tokens
 from engine.core.types import StepLogits
+from engine.runner.transfer import to_device
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -281,5 +282,5 @@ class GraphDecoder:
         if len(owners) == len(inputs):
             n = len(inputs)
             return StepLogits(logits[:n], owners, greedy[:, :n])
-        idx = torch.tensor(owners, dtype=torch.long, device=logits.device)
+        idx = to_device(owners, torch.long, logits.device)
         return StepLogits(logits[idx], owners, greedy[:, idx])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.types import SamplingParams, TokenLogprobs
+from engine.runner.transfer import to_device
 
 
 class RowLogitsState:
@@ -92,12 +93,12 @@ def process(logits: torch.Tensor, states: list[RowLogitsState]) -> torch.Tensor:
     if any(s.seen is not None for s in states):
         seen = torch.stack([s.seen if s.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=dev)
                             for s in states])
-        r = torch.tensor([s.params.repetition_penalty for s in states], device=dev)[:, None]
+        r = to_device([s.params.repetition_penalty for s in states], torch.float32, dev)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     if any(s.counts is not None for s in states):
         counts = torch.stack([s.counts if s.counts is not None else torch.zeros(vocab, device=dev) for s in states])
-        freq = torch.tensor([s.params.frequency_penalty for s in states], device=dev)[:, None]
-        pres = torch.tensor([s.params.presence_penalty for s in states], device=dev)[:, None]
+        freq = to_device([s.params.frequency_penalty for s in states], torch.float32, dev)[:, None]
+        pres = to_device([s.params.presence_penalty for s in states], torch.float32, dev)[:, None]
         x = x - freq * counts - pres * (counts > 0).float()
     return x
 

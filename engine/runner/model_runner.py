@@ -17,6 +17,7 @@ from engine.kernels import launch
 from engine.kv.rows import RowPool
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, StepLogits
+from engine.runner.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ModelRunner:
             if masks is not None:  # the masks' rows, as indices into `asking` (both ascending)
                 at = {j: i for i, j in enumerate(asking)}
                 masks = TokenMasks([at[j] for j in masks.rows], masks.bitmask)
-            idx = torch.tensor(asking, dtype=torch.long, device=logits.device)
+            idx = to_device(asking, torch.long, logits.device)
             got = asking_picks(logits.index_select(0, idx), [params[j] for j in asking],
                                [generators[j] for j in asking], [states[j] for j in asking], masks)
             picks = greedy.clone()

@@ -25,6 +25,7 @@ from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, TokenLogprobs
 from engine.runner.logits_process import RowLogitsState, logprobs_pack, logprobs_unpack, process
 from engine.runner.token_mask import apply_bitmask
+from engine.runner.transfer import to_device
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -63,24 +64,25 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator]) -> torch.Tensor:
     """`sample_batch` left on the device: [2, n] int64 (token, 1 where the row's distribution is
-    finite), with no host sync (each row's uniform number is drawn on the host and copied)."""
+    finite), with no host sync (each row's uniform number is drawn on the host, and copied with
+    the other per-row values as queued copies: transfer.py)."""
     dev = logits.device
     n, vocab = logits.shape
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    x = logits.float() / to_device([p.temperature for p in params], torch.float32, dev)[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         kth = torch.topk(x, max(ks), dim=-1).values  # [n, k_max], descending
-        idx = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None]
+        idx = to_device([max(k, 1) - 1 for k in ks], torch.long, dev)[:, None]
         cut = kth.gather(1, idx)
-        cut = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, cut, torch.full_like(cut, float("-inf")))
+        cut = torch.where(to_device(ks, torch.long, dev)[:, None] > 0, cut, torch.full_like(cut, float("-inf")))
         x = x.masked_fill(x < cut, float("-inf"))
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        rows = torch.tensor(nucleus, device=dev)
+        rows = to_device(nucleus, torch.long, dev)
         sub = x.index_select(0, rows)
         sorted_x, order = torch.sort(sub, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev)[:, None]
+        top_p = to_device([params[i].top_p for i in nucleus], torch.float32, dev)[:, None]
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
         drop[:, 0] = False  # and never less than the top token (a top_p below float32's range is 0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
@@ -88,7 +90,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     probs = torch.softmax(x, dim=-1)
     ok = torch.isfinite(probs).all(dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.tensor([float(torch.rand((), generator=g)) for g in generators], device=dev)[:, None]
+    u = to_device([float(torch.rand((), generator=g)) for g in generators], torch.float32, dev)[:, None]
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)[:, 0]
     return torch.stack((tokens, ok.long()))
 
@@ -118,20 +120,21 @@ def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators:
     """Row i of `logits` [m, V] processed by `states[i]` (where params ask), then masked by its
     grammar (where `masks` has a row for it: `masks.rows` index the m rows), then picked greedily
     or sampled, and its logprobs taken from the processed and masked logits; on the device, with
-    no host sync but the copy of the masks there. Each processed row's state records its token."""
+    no host sync (indices, values and masks travel as queued copies). Each processed row's state
+    records its token."""
     dev = logits.device
     x = logits
     processed = [i for i, p in enumerate(params) if p.processed]
     if processed:
-        rows = torch.tensor(processed, dtype=torch.long, device=dev)
+        rows = to_device(processed, torch.long, dev)
         x = logits.float().index_copy(0, rows, process(logits.index_select(0, rows), [states[i] for i in processed]))
     if masks is not None:
-        rows = torch.tensor(masks.rows, dtype=torch.long, device=dev)
+        rows = to_device(masks.rows, torch.long, dev)
         x = x.float().index_copy(0, rows, apply_bitmask(x.index_select(0, rows), masks.bitmask))
     tokens = greedy_tokens(x)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        rows = to_device(sampled, torch.long, dev)
         drawn = sample_tokens(x.index_select(0, rows), [params[i] for i in sampled], [generators[i] for i in sampled])
         tokens = tokens.index_copy(1, rows, drawn)
     for i in processed:
@@ -140,7 +143,7 @@ def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators:
     pack = None
     ks = [params[i].logprobs for i in lp_rows]
     if lp_rows:
-        rows = torch.tensor(lp_rows, dtype=torch.long, device=dev)
+        rows = to_device(lp_rows, torch.long, dev)
         pack = logprobs_pack(x.index_select(0, rows), tokens[0].index_select(0, rows), max(ks))
     return Picks(tokens, pack, lp_rows, ks)
 

@@ -128,3 +128,33 @@ def test_cuda_bitmask_equals_the_cpus():
     bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
     logits = torch.randn(3, vocab, generator=g)
     assert torch.equal(apply_bitmask(logits.cuda(), bitmask).cpu(), apply_bitmask(logits, bitmask))
+
+
+def test_cuda_asking_picks_never_wait_for_the_device():
+    """The picks of a step launched ahead (sampling with top-k and top-p, penalties, logprobs, a
+    grammar's mask) queue behind the forward without a host sync: under torch's sync debug mode
+    set to error, a synchronizing call (a pageable copy to the device, an .item()) would raise."""
+    from engine.core.structured import TokenMasks
+    from engine.runner.logits_process import RowLogitsState
+
+    engine = cuda_engine(overlap=True)
+    vocab = engine.geometry.vocab_size
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, repetition_penalty=1.2, logprobs=3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.1, seed=4, frequency_penalty=0.3)]
+    dev = torch.device("cuda")
+    states = [RowLogitsState(p, [5, 6, 7], vocab, dev, set()) if p.processed else None for p in params]
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    logits = torch.randn(4, vocab, device=dev)
+    greedy = torch.stack((logits.argmax(-1), torch.ones(4, dtype=torch.long, device=dev)))
+    bits = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    bits[0, 2] = 0b110  # tokens 65 and 66
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fetch = engine.runner.fetch_picks(logits, greedy, params, generators, states, TokenMasks([1], bits))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tokens, finite = fetch.result()
+    assert all(finite) and tokens[1] in (65, 66) and tokens[2] == int(greedy[0, 2])
