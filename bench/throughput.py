@@ -69,7 +69,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
     dec = engine.runner.decoder
     res = {
         "decode_tok_s": in_window / (t_done - t_all) if in_window >= 8 * len(prompts) else None,
-        "decode_tail_tok_s": sum(1 for t in events if t > t_all) / (t_last - t_all),
+        "decode_tail_tok_s": sum(1 for t in events if t > t_all) / (t_last - t_all) if t_last > t_all else None,
         "all_rows_steps": in_window // len(prompts),
         "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),

@@ -2,8 +2,11 @@
    row's keys read where they lie (no gather into a contiguous copy first).
 
    q: float32 [B, H, D]; kpool, vpool: float32 [S, Hkv, D] (the pool's slots); slots: int64
-   [B, L] (a row's key slots in position order, as the pool's block table gives them); lo, hi:
-   int32 [B], the positions [lo, hi) a row's query sees; out: float32 [B, H, D].
+   [B, L] (a row's key slots: in position order as the pool's block table gives them, or a ring
+   layer's slots that the query sees); lo, hi: int32 [B], the entries [lo, hi) of its slots a
+   row's query sees; kx, vx: float32 [B, Hkv, D] or NULL, one more key and value per row that the
+   pool does not hold yet (a ring layer's new token, stored after the attention), seen after the
+   others (then hi counts it: the slots' entries are [lo, hi - 1)); out: float32 [B, H, D].
 
    A task is one split of a (row, K/V head) pair's visible keys, for its H / Hkv query heads: the
    scores of the split's keys (q . k * scale, one pass over the keys), their maximum, the
@@ -17,7 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int cpu_attention_abi_version(void) { return 2; }
+int cpu_attention_abi_version(void) { return 3; }
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -38,14 +41,16 @@ static inline float dot(const float *a, const float *b, int D) {
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-/* One split: the keys [j0, j1) of row b's K/V head h for its G query heads. Leaves the split's
-   maxima m[G], exponential sums l[G] and unnormalized outputs o[G][D]. */
+/* One split: the keys [j0, j1) of row b's K/V head h for its G query heads; entry `extra` (if
+   in the split) is the row's key kx / value vx instead of a slot's. Leaves the split's maxima
+   m[G], exponential sums l[G] and unnormalized outputs o[G][D]. */
 static void split(const float *qb, const float *kpool, const float *vpool, const int64_t *row_slots, int j0, int j1,
-                  int Hkv, int h, int G, int D, float scale, float *scores, float *m, float *l, float *o) {
+                  int extra, const float *kx, const float *vx, int Hkv, int h, int G, int D, float scale,
+                  float *scores, float *m, float *l, float *o) {
     const int n = j1 - j0;
     for (int g = 0; g < G; g++) m[g] = -INFINITY;
     for (int j = 0; j < n; j++) {
-        const float *k = kpool + (row_slots[j0 + j] * Hkv + h) * D;
+        const float *k = j0 + j == extra ? kx : kpool + (row_slots[j0 + j] * Hkv + h) * D;
         for (int g = 0; g < G; g++) {
             const float s = dot(qb + (int64_t)g * D, k, D) * scale;
             scores[(int64_t)g * n + j] = s;
@@ -63,7 +68,7 @@ static void split(const float *qb, const float *kpool, const float *vpool, const
     }
     for (int i = 0; i < G * D; i++) o[i] = 0.0f;
     for (int j = 0; j < n; j++) {
-        const float *v = vpool + (row_slots[j0 + j] * Hkv + h) * D;
+        const float *v = j0 + j == extra ? vx : vpool + (row_slots[j0 + j] * Hkv + h) * D;
         for (int g = 0; g < G; g++) {
             const __m256 p = _mm256_set1_ps(scores[(int64_t)g * n + j]);
             float *og = o + (int64_t)g * D;
@@ -79,11 +84,12 @@ static void split(const float *qb, const float *kpool, const float *vpool, const
    shapes it does not take (G > 16 or D not a multiple of 8). */
 #define SPLIT 256
 int cpu_decode_attention(const float *q, const float *kpool, const float *vpool, const int64_t *slots,
-                         const int32_t *lo, const int32_t *hi, float *out, int B, int H, int Hkv, int D, int L,
-                         float scale) {
+                         const int32_t *lo, const int32_t *hi, const float *kx, const float *vx, float *out, int B,
+                         int H, int Hkv, int D, int L, float scale) {
     const int G = H / Hkv;
     if (G > 16 || D % 8) return -2;
-    const int S = L > 0 ? (L + SPLIT - 1) / SPLIT : 1;  /* splits of the longest row */
+    const int Lx = L + (kx != NULL);  /* entries of the longest row, the extra key included */
+    const int S = Lx > 0 ? (Lx + SPLIT - 1) / SPLIT : 1;  /* splits of the longest row */
     const int64_t tasks = (int64_t)B * Hkv * S;
     float *ml = malloc((size_t)tasks * G * 2 * sizeof(float));
     float *o = malloc((size_t)tasks * G * D * sizeof(float));
@@ -102,8 +108,9 @@ int cpu_decode_attention(const float *q, const float *kpool, const float *vpool,
             const int j0 = lo[b] + sp * SPLIT, j1 = hi[b] < j0 + SPLIT ? hi[b] : j0 + SPLIT;
             if (!scores || j0 >= j1) continue;  /* past the row's keys: merged as empty */
             const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * D;
-            split(qb, kpool, vpool, slots + (int64_t)b * L, j0, j1, Hkv, h, G, D, scale, scores, ml + t * G * 2,
-                  ml + t * G * 2 + G, o + t * G * D);
+            const int64_t x = ((int64_t)b * Hkv + h) * D;
+            split(qb, kpool, vpool, slots + (int64_t)b * L, j0, j1, kx ? hi[b] - 1 : -1, kx ? kx + x : NULL,
+                  vx ? vx + x : NULL, Hkv, h, G, D, scale, scores, ml + t * G * 2, ml + t * G * 2 + G, o + t * G * D);
         }
         free(scores);
 #pragma omp for schedule(static)

@@ -61,6 +61,9 @@ class _Group:
     # one-token rows on the CPU with the paged-pool kernel: attn_window -> (lo, hi) [B] int32, the
     # positions each row's query sees on the paged layers (its keys are slots[b, lo:hi])
     paged_bounds: dict[int | None, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # and on the ring layers: (store, attn_window) -> (slots [B, L] int64, lo, hi [B] int32), the
+    # ring slots each row's query sees first, then the row's new token (entry hi - 1)
+    ring_keys: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 class StepAttention:
@@ -121,8 +124,9 @@ class StepAttention:
         staged_rows: list[int | None] = []
         for c in chunks:
             staged_rows.append(c.row if pool.staged_span(c.row) is not None else None)
+        resident = {}
         for store in {s for s, _ in classes}:
-            slots, pos = self._resident(chunks, store)
+            slots, pos = resident[store] = self._resident(chunks, store)
             extra = []
             if store != PAGED and len(chunks) == 1 and staged_rows[0] is not None:
                 c = chunks[0]
@@ -153,13 +157,32 @@ class StepAttention:
                 continue
             unmasked = dev.type == "cpu" and bool(m.all())
             masks[(store, attn_window)] = None if unmasked else m[:, None].to(dev)
-        bounds = None
+        bounds = ring_keys = None
         if self.paged_decode is not None and tmax == 1 and PAGED in gather:
             end = q_pos[:, 0] + 1
             bounds = {w: ((end - w).clamp(min=0).to(torch.int32) if w is not None else torch.zeros_like(end, dtype=torch.int32),
                           end.to(torch.int32)) for s, w in classes if s == PAGED}
+        if self.paged_decode is not None and tmax == 1 and all(r is None for r in staged_rows):
+            ring_keys = {(s, w): self._ring_keys(resident[s], q_pos[:, 0], s, w) for s, w in classes if s != PAGED}
         lo = offsets[0]
-        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None, bounds)
+        return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None, bounds,
+                      ring_keys)
+
+    def _ring_keys(self, resident: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, store: int,
+                   attn_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One-token rows on a ring layer, for the kernel: the ring slots each query sees (the mask
+        `_group` builds for SDPA, on the ring's keys), first in each row, in slot order; then its
+        new token. Returns (slots [B, S], lo, hi [B] int32)."""
+        slots, pos = (t.numpy() for t in resident)
+        ring = self.pool.rings[store]
+        qn = q.numpy()[:, None]  # a one-token forward: it starts at its query's position
+        seen = (pos >= 0) & ((pos >= qn) | (pos < ring.sink) | (pos >= qn - ring.window))
+        if attn_window is not None:
+            seen &= (qn - pos) < attn_window
+        order = np.argsort(~seen, axis=1, kind="stable")
+        first = np.take_along_axis(slots, order, axis=1)
+        hi = seen.sum(axis=1).astype(np.int32) + 1
+        return torch.from_numpy(first), torch.zeros(len(hi), dtype=torch.int32), torch.from_numpy(hi)
 
     def _query_blocks(self, c: ForwardChunk, store: int, attn_window: int | None, m: torch.Tensor, dev) -> list:
         """Query blocks of one long chunk. Keys on a paged layer are positions 0..end-1 in order;
@@ -241,11 +264,16 @@ class StepAttention:
         outs = []
         for g in self.groups:
             slots = g.gather[store]
-            if (lay.paged and g.paged_bounds is not None
-                    and self.paged_decode.supports(q_all, pool.k[layer], softcap)):
-                lo, hi = g.paged_bounds[lay.attn_window]
-                outs.append(self.paged_decode(q_all[:, g.lo : g.hi].transpose(0, 1), pool.k[layer], pool.v[layer],
-                                              slots, lo, hi, scaling))  # [B, H, D]
+            keys = g.paged_bounds if lay.paged else g.ring_keys
+            if keys is not None and self.paged_decode.supports(q_all, pool.k[layer], softcap):
+                q = q_all[:, g.lo : g.hi].transpose(0, 1)  # [B, H, D]
+                if lay.paged:
+                    lo, hi = keys[lay.attn_window]
+                    outs.append(self.paged_decode(q, pool.k[layer], pool.v[layer], slots, lo, hi, scaling))
+                else:  # the ring's slots, then the new token (stored after the attention)
+                    ring_slots, lo, hi = keys[(store, lay.attn_window)]
+                    outs.append(self.paged_decode(q, pool.k[layer], pool.v[layer], ring_slots, lo, hi, scaling,
+                                                  k_new[g.lo : g.hi], v_new[g.lo : g.hi]))
                 continue
             k, v = pool.gather(layer, slots)  # [B, L_res, Hkv, D]
             if lay.paged:

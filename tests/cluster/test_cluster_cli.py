@@ -20,10 +20,26 @@ def test_flags_are_serve_s_plus_the_cluster_s():
     gpu = parse_cluster_args(["--device", "cuda", "--session-db", "none"])
     assert gpu.replica_gpus == 1.0 and gpu.serve.engine.session_db is None
     assert parse_cluster_args(["--device", "cuda", "--replica-gpus", "0.5", "--session-db", "none"]).replica_gpus == 0.5
-    assert c.stream_interval_s == 0.02
+    assert (c.stream_interval_s, c.stream_messages_per_s) == (0.02, 3000.0)
     assert parse_cluster_args(["--stream-interval-ms", "0", "--session-db", "none"]).stream_interval_s == 0.0
-    with pytest.raises(SystemExit):
-        parse_cluster_args(["--stream-interval-ms", "-1"])
+    assert parse_cluster_args(["--stream-messages-per-s", "0", "--session-db", "none"]).stream_messages_per_s == 0
+    for bad in (["--stream-interval-ms", "-1"], ["--stream-messages-per-s", "-5"]):
+        with pytest.raises(SystemExit):
+            parse_cluster_args(bad)
+
+
+def test_a_streams_send_interval_follows_the_replicas_stream_count():
+    """One stream sends each token as it comes; many keep the replica's messages within its rate;
+    the interval never exceeds --stream-interval-ms; a rate of 0 is the fixed interval."""
+    from service.cluster import EngineReplica
+
+    replica = object.__new__(EngineReplica)  # the interval only: no app, no engine
+    replica.stream_interval_s, replica.stream_messages_per_s = 0.02, 3000.0
+    for streams, want in [(1, 1 / 3000), (30, 0.01), (64, 0.02), (500, 0.02)]:
+        replica.streams = streams
+        assert replica.send_interval() == pytest.approx(want)
+    replica.stream_messages_per_s = 0.0
+    assert replica.send_interval() == 0.02
 
 
 def test_workers_import_path_keeps_the_drivers(monkeypatch, tmp_path):
