@@ -58,9 +58,13 @@ class ClusterSettings:
     # the next replica on its ring (bounded load)
     max_ongoing_requests: int = 0  # 0: the serve settings' queue size
     # A response's chunks cross Ray (replica -> gateway -> Serve's proxy) as one message each, at a
-    # cost per message: a replica sends at most one message per stream per interval, the chunks
-    # that arrive meanwhile joined (0: every chunk as it comes)
+    # cost per message. A replica keeps its streams' messages within `stream_messages_per_s` in
+    # all: with S streams live, each sends at most once per S / rate seconds (never less often
+    # than once per `stream_interval_s`), the chunks that arrive meanwhile joined. One stream
+    # sends each token as it comes; 64 send every 20 ms. A rate of 0: every stream waits
+    # `stream_interval_s` (0 too: every chunk as it comes).
     stream_interval_s: float = 0.02
+    stream_messages_per_s: float = 3000.0
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,16 @@ def session_key(path: str, headers, body: bytes) -> str:
 class EngineReplica:
     """One replica: the `s5serve serve` app and its engine process, driven over ASGI in-process."""
 
-    async def __init__(self, settings: Settings, stream_interval_s: float = 0.0) -> None:
+    async def __init__(self, settings: Settings, stream_interval_s: float = 0.0,
+                       stream_messages_per_s: float = 0.0) -> None:
         from ray import serve
 
         from service.app import create_app
 
         self.app = create_app(settings)
         self.stream_interval_s = stream_interval_s
+        self.stream_messages_per_s = stream_messages_per_s
+        self.streams = 0  # responses being sent
         self.state = self.app.state.s5
         self.name = serve.get_replica_context().replica_id.unique_id.encode()
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -135,6 +142,7 @@ class EngineReplica:
         task.add_done_callback(lambda _: sent.put_nowait(None))
         loop = asyncio.get_running_loop()
         next_send = 0.0  # when this stream may send its next message
+        self.streams += 1
         try:
             while (message := await sent.get()) is not None:
                 if message["type"] == "http.response.start":
@@ -159,16 +167,23 @@ class EngineReplica:
                         more = queued.get("more_body", False)
                     if any(chunks):
                         yield b"".join(chunks)
-                        next_send = loop.time() + self.stream_interval_s
+                        next_send = loop.time() + self.send_interval()
                     if not more:
                         break
             if task.done() and task.exception() is not None:
                 raise task.exception()
         finally:
+            self.streams -= 1
             gone.set()  # the app sees a disconnect: a request still running is aborted
             done, _ = await asyncio.wait({task}, timeout=10)
             if not done:
                 task.cancel()
+
+    def send_interval(self) -> float:
+        """How long a stream waits after a message before its next one (see ClusterSettings)."""
+        if self.stream_messages_per_s <= 0:
+            return self.stream_interval_s
+        return min(self.stream_interval_s, self.streams / self.stream_messages_per_s)
 
     async def record_routing_stats(self) -> dict:
         """What the router weighs for requests without a session (service/routing.py)."""
@@ -297,7 +312,7 @@ def build_app(cluster: ClusterSettings):
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=s.drain_grace_s,
         logging_config=quiet,
-    ).bind(replica_settings, cluster.stream_interval_s)
+    ).bind(replica_settings, cluster.stream_interval_s, cluster.stream_messages_per_s)
     gateway = serve.deployment(Gateway).options(
         name=GATEWAY_DEPLOYMENT, num_replicas=cluster.gateways, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000, logging_config=quiet,
@@ -340,10 +355,14 @@ def cluster_parser():
                    help="GPUs each replica reserves; 0.5 puts two replicas on one GPU "
                         "[default: 1 with --device cuda, else 0]")
     g.add_argument("--gateways", type=int, default=1, help="ingress replicas (stateless) [default: 1]")
+    g.add_argument("--stream-messages-per-s", type=float, default=3000.0,
+                   help="the messages a replica's streams send through Ray in all: with S streams, each "
+                        "sends at most once per S / this many seconds, the tokens made meanwhile "
+                        "together (each message through Ray costs; under load fewer, larger ones keep "
+                        "up with the engine); 0: every stream waits --stream-interval-ms [default: 3000]")
     g.add_argument("--stream-interval-ms", type=float, default=20.0,
-                   help="a replica sends a stream's tokens at most once per this many ms (the tokens "
-                        "made meanwhile go together): each message through Ray costs, so under load "
-                        "fewer, larger ones keep up with the engine; 0 sends each as it comes [default: 20]")
+                   help="the longest a stream's tokens wait to be sent; with --stream-messages-per-s 0, "
+                        "how long each waits (0: each as it comes) [default: 20]")
     g.add_argument("--ray-address", default=None,
                    help="a running Ray cluster to join (auto: the one started on this machine by "
                         "`ray start`); default: start Ray in this process, on this machine only")
@@ -365,10 +384,11 @@ def parse_cluster_args(argv: list[str] | None = None) -> ClusterSettings:
         p.error("replicas share their sessions through PostgreSQL: give --session-db postgresql://... "
                 "(or --session-db none: sessions in memory, lost with their replica)")
     gpus = a.replica_gpus if a.replica_gpus is not None else (1.0 if settings.engine.device.startswith("cuda") else 0.0)
-    if a.stream_interval_ms < 0:
-        p.error("--stream-interval-ms must be at least 0")
+    if a.stream_interval_ms < 0 or a.stream_messages_per_s < 0:
+        p.error("--stream-interval-ms and --stream-messages-per-s must be at least 0")
     return ClusterSettings(serve=settings, replicas=a.replicas, replica_cpus=a.replica_cpus, replica_gpus=gpus,
-                           gateways=a.gateways, stream_interval_s=a.stream_interval_ms / 1e3)
+                           gateways=a.gateways, stream_interval_s=a.stream_interval_ms / 1e3,
+                           stream_messages_per_s=a.stream_messages_per_s)
 
 
 def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:
