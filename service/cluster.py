@@ -97,6 +97,15 @@ def session_key(path: str, headers, body: bytes) -> str:
     return headers.get("x-session-id") or ""
 
 
+def send_interval(streams: int, longest_s: float, messages_per_s: float) -> float:
+    """How long a stream waits after a message before its next one, with `streams` live on the
+    replica (see ClusterSettings): their messages within `messages_per_s` in all, never longer
+    than `longest_s`; a rate of 0: `longest_s`."""
+    if messages_per_s <= 0:
+        return longest_s
+    return min(longest_s, streams / messages_per_s)
+
+
 class EngineReplica:
     """One replica: the `s5serve serve` app and its engine process, driven over ASGI in-process."""
 
@@ -167,7 +176,8 @@ class EngineReplica:
                         more = queued.get("more_body", False)
                     if any(chunks):
                         yield b"".join(chunks)
-                        next_send = loop.time() + self.send_interval()
+                        next_send = loop.time() + send_interval(self.streams, self.stream_interval_s,
+                                                                self.stream_messages_per_s)
                     if not more:
                         break
             if task.done() and task.exception() is not None:
@@ -178,12 +188,6 @@ class EngineReplica:
             done, _ = await asyncio.wait({task}, timeout=10)
             if not done:
                 task.cancel()
-
-    def send_interval(self) -> float:
-        """How long a stream waits after a message before its next one (see ClusterSettings)."""
-        if self.stream_messages_per_s <= 0:
-            return self.stream_interval_s
-        return min(self.stream_interval_s, self.streams / self.stream_messages_per_s)
 
     async def record_routing_stats(self) -> dict:
         """What the router weighs for requests without a session (service/routing.py)."""

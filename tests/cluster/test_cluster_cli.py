@@ -9,7 +9,7 @@ import pytest
 from ray.serve import Application
 from starlette.datastructures import Headers
 
-from service.cluster import build, parse_cluster_args, runtime_env, session_key
+from service.cluster import build, parse_cluster_args, runtime_env, send_interval, session_key
 
 
 def test_flags_are_serve_s_plus_the_cluster_s():
@@ -31,15 +31,9 @@ def test_flags_are_serve_s_plus_the_cluster_s():
 def test_a_streams_send_interval_follows_the_replicas_stream_count():
     """One stream sends each token as it comes; many keep the replica's messages within its rate;
     the interval never exceeds --stream-interval-ms; a rate of 0 is the fixed interval."""
-    from service.cluster import EngineReplica
-
-    replica = object.__new__(EngineReplica)  # the interval only: no app, no engine
-    replica.stream_interval_s, replica.stream_messages_per_s = 0.02, 3000.0
     for streams, want in [(1, 1 / 3000), (30, 0.01), (64, 0.02), (500, 0.02)]:
-        replica.streams = streams
-        assert replica.send_interval() == pytest.approx(want)
-    replica.stream_messages_per_s = 0.0
-    assert replica.send_interval() == 0.02
+        assert send_interval(streams, 0.02, 3000.0) == pytest.approx(want)
+    assert send_interval(1, 0.02, 0.0) == 0.02
 
 
 def test_workers_import_path_keeps_the_drivers(monkeypatch, tmp_path):
