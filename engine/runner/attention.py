@@ -124,9 +124,8 @@ class StepAttention:
         staged_rows: list[int | None] = []
         for c in chunks:
             staged_rows.append(c.row if pool.staged_span(c.row) is not None else None)
-        resident = {}
         for store in {s for s, _ in classes}:
-            slots, pos = resident[store] = self._resident(chunks, store)
+            slots, pos = self._resident(chunks, store)
             extra = []
             if store != PAGED and len(chunks) == 1 and staged_rows[0] is not None:
                 c = chunks[0]
@@ -141,6 +140,8 @@ class StepAttention:
         mdev = dev if tmax > 1 else torch.device("cpu")
         fstart = torch.tensor([c.forward_start for c in chunks], dtype=torch.long)[:, None, None].to(mdev)
         masks, blocks = {}, {}
+        # one-token rows that attend the ring layers with the CPU kernel (no staged tokens)
+        ring_keys = {} if self.paged_decode is not None and tmax == 1 and all(r is None for r in staged_rows) else None
         for store, attn_window in classes:
             k = key_pos[store].to(mdev)[:, None, :]  # [B, 1, L]
             q = q_pos.to(mdev)[:, :, None]  # [B, T, 1]
@@ -150,6 +151,8 @@ class StepAttention:
             if store != PAGED:
                 ring = pool.rings[store]
                 m &= (k >= fstart) | (k < ring.sink) | (k >= fstart - ring.window)
+                if ring_keys is not None:  # the ring's slots come first in the keys, the new token last
+                    ring_keys[(store, attn_window)] = self._ring_keys(gather[store], m[:, 0, : ring.slots])
             # [B, 1, T, L]. On the CPU, None when every key is visible (SDPA's unmasked path is
             # faster there); on CUDA the unmasked path measured 16x slower for these shapes.
             if len(chunks) == 1 and tmax > QUERY_BLOCK and dev.type == "cpu":  # by blocks: no whole-chunk mask
@@ -157,30 +160,22 @@ class StepAttention:
                 continue
             unmasked = dev.type == "cpu" and bool(m.all())
             masks[(store, attn_window)] = None if unmasked else m[:, None].to(dev)
-        bounds = ring_keys = None
+        bounds = None
         if self.paged_decode is not None and tmax == 1 and PAGED in gather:
             end = q_pos[:, 0] + 1
             bounds = {w: ((end - w).clamp(min=0).to(torch.int32) if w is not None else torch.zeros_like(end, dtype=torch.int32),
                           end.to(torch.int32)) for s, w in classes if s == PAGED}
-        if self.paged_decode is not None and tmax == 1 and all(r is None for r in staged_rows):
-            ring_keys = {(s, w): self._ring_keys(resident[s], q_pos[:, 0], s, w) for s, w in classes if s != PAGED}
         lo = offsets[0]
         return _Group(lo, lo + len(chunks) * tmax, len(chunks), gather, staged_rows, masks, blocks or None, bounds,
                       ring_keys)
 
-    def _ring_keys(self, resident: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, store: int,
-                   attn_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One-token rows on a ring layer, for the kernel: the ring slots each query sees (the mask
-        `_group` builds for SDPA, on the ring's keys), first in each row, in slot order; then its
-        new token. Returns (slots [B, S], lo, hi [B] int32)."""
-        slots, pos = (t.numpy() for t in resident)
-        ring = self.pool.rings[store]
-        qn = q.numpy()[:, None]  # a one-token forward: it starts at its query's position
-        seen = (pos >= 0) & ((pos >= qn) | (pos < ring.sink) | (pos >= qn - ring.window))
-        if attn_window is not None:
-            seen &= (qn - pos) < attn_window
-        order = np.argsort(~seen, axis=1, kind="stable")
-        first = np.take_along_axis(slots, order, axis=1)
+    @staticmethod
+    def _ring_keys(slots: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One-token rows on a ring layer, for the kernel: the ring's slots [B, S] each query sees
+        (`seen` [B, S], the mask built for SDPA) first in each row, in slot order; then its new
+        token. Returns (slots [B, S], lo, hi [B] int32)."""
+        seen = seen.numpy()
+        first = np.take_along_axis(slots.numpy(), np.argsort(~seen, axis=1, kind="stable"), axis=1)
         hi = seen.sum(axis=1).astype(np.int32) + 1
         return torch.from_numpy(first), torch.zeros(len(hi), dtype=torch.int32), torch.from_numpy(hi)
 
