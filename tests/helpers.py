@@ -146,3 +146,16 @@ def byte_tokenizer():
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert tok.get_vocab_size() <= 512 and tok.token_to_id("<eos>") == 1
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+
+
+def built_kernel(kind, cache_dir):
+    """A CPU kernel object (`kind(cache_dir)`, compiled on first use), or the test skipped where
+    this machine has no C compiler to build it."""
+    import pytest
+
+    from engine.kernels.native import KernelUnavailable
+
+    try:
+        return kind(cache_dir)
+    except KernelUnavailable as e:
+        pytest.skip(f"no C compiler here: {e}")

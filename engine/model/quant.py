@@ -164,8 +164,8 @@ def block_sums128(q: torch.Tensor, block: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Int8Weight:
     """An int8 weight as a product reads it: the kernel's packed layout, one float32 scale per
-    output row, and the VNNI form's block sums. Without a kernel, `ints` holds the int8 values in float32 for `reference_matmul` (the same results at
-    float32 speed)."""
+    output row, and the VNNI form's block sums. Without a kernel, `ints` holds the int8 values in
+    float32 for `reference_matmul` (the same results at float32 speed)."""
 
     packed: torch.Tensor  # pack_rows(q): [N8/8, K/8, 8, 8] int8
     scale: torch.Tensor  # [N] float32

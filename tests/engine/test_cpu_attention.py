@@ -9,18 +9,14 @@ import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, Request
 from engine.kernels.cpu_attention import CpuDecodeAttention
-from engine.kernels.native import KernelUnavailable
 from engine.model.loader import load_model
-from tests.helpers import greedy, run_all
+from tests.helpers import built_kernel, greedy, run_all
 from tests.scenarios import Recorder
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    try:
-        return CpuDecodeAttention(tmp_path_factory.mktemp("kcache"))
-    except KernelUnavailable as e:
-        pytest.skip(f"no C compiler here: {e}")
+    return built_kernel(CpuDecodeAttention, tmp_path_factory.mktemp("kcache"))
 
 
 @pytest.mark.parametrize("b,h,hkv,d,window,longest", [(1, 4, 1, 256, None, 90), (5, 4, 1, 64, None, 90),

@@ -10,18 +10,14 @@ import torch
 from engine import Engine, EngineConfig, Request
 from engine.kernels.cpu_ops import CpuLayerOps
 from engine.kernels.fused_ops import add_rmsnorm_ref, qk_norm_rope_ref, rmsnorm_ref, rope_tables
-from engine.kernels.native import KernelUnavailable
 from engine.model.loader import load_model
-from tests.helpers import greedy, run_all
+from tests.helpers import built_kernel, greedy, run_all
 from tests.scenarios import Recorder
 
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
-    try:
-        return CpuLayerOps(tmp_path_factory.mktemp("kcache"))
-    except KernelUnavailable as e:
-        pytest.skip(f"no C compiler here: {e}")
+    return built_kernel(CpuLayerOps, tmp_path_factory.mktemp("kcache"))
 
 
 def _close(a, b):
