@@ -100,6 +100,24 @@ def grammar_row_ms(engine: Engine, grammar: str, n: int, vocab: int, sampled: bo
     return best * 1e3
 
 
+def host_profile(engine: Engine, n: int, steps: int, grammar: str | None, sampled: bool, tok,
+                 top: int = 25) -> list[dict]:
+    """Where the host's time goes in `steps` decode steps (cProfile over `decode_rate`): the
+    functions with the most time of their own, per step, in ms."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    decode_rate(engine, n, steps, grammar, sampled, tok)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": nc / steps,
+             "own_ms_per_step": tt / steps * 1e3, "cumulative_ms_per_step": ct / steps * 1e3}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else cpu_name()
 
@@ -124,6 +142,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--row-only", action="store_true", help="only the compile times and the row's own work")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the host's work in a free and a grammar batch (cProfile), per function")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -172,11 +192,19 @@ def main() -> None:
     step_cpu_ms = statistics.median(a.n / p["free"]["tokens_per_cpu_s"] * 1e3 for p in pairs)
     print(f"median ratio (grammar row batch / free batch): wall {wall_ratio:.3f}, cpu {cpu_ratio:.3f}; "
           f"grammar row's own work {row_ms:.2f} ms per step (one thread, best of 50); a free step {step_cpu_ms:.0f} ms CPU")
+    profiles = {}
+    if a.profile:
+        for name, g in (("free", None), ("grammar", grammar)):
+            profiles[name] = host_profile(engine, a.n, a.steps, g, a.sampled, loaded.tokenizer)
+            print(f"host time per step, {name} batch (cProfile), by own time:")
+            print(f"  {'own ms':>7} {'cum ms':>7} {'calls':>6}  function")
+            for r in profiles[name]:
+                print(f"  {r['own_ms_per_step']:7.3f} {r['cumulative_ms_per_step']:7.3f} {r['calls_per_step']:6.1f}  {r['function']}")
     result = {"bench": "grammar_row", "device": device_name(a.device), "model": a.shape or "embedded",
               "dtype": a.dtype, "quantization": quantization, "overlap_steps": cfg.overlap_steps,
               "n": a.n, "steps": a.steps, "sampled": a.sampled, "schema": SCHEMA,
               "wall_ratio_median": wall_ratio, "cpu_ratio_median": cpu_ratio, "grammar_row_cpu_ms_per_step": row_ms,
-              "free_step_cpu_ms_median": step_cpu_ms, "pairs": pairs, "compile": compile,
+              "free_step_cpu_ms_median": step_cpu_ms, "pairs": pairs, "compile": compile, "host_profile": profiles,
               "load_average_at_end": os.getloadavg(), "versions": versions}
     write_result(a.out, f"grammar-row-{label}", result, a.tag)
 
