@@ -12,9 +12,10 @@ otherwise (EOS, a stop string) was fed one token too many: each row launched ahe
 (`RowPool.undo_decode`), so the row is exactly what the plain order of steps leaves.
 
 A row with a grammar samples under a mask that needs its previous token accepted: with such rows
-in the step, the pending step is applied right after the next forward is launched, the masks are
-filled while the device runs that forward, and the picks are queued behind it (on the device,
-like every asking row's), so the host's work still overlaps the device's.
+in the step, the pending step is applied right after the next forward is launched (its grammar
+rows first), the masks are filled on the grammar thread while this thread applies the other rows
+and the device runs that forward, and the picks are queued behind it (on the device, like every
+asking row's), so the host's work still overlaps the device's.
 
 The engine owns this object; it borrows the engine's runner, scheduler, pool, live requests and
 counters, and is handed the engine's `apply` and `finish` for each step it applies (held for the
@@ -24,6 +25,7 @@ call only, so nothing here refers back to the engine).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -137,10 +139,11 @@ class AheadSteps:
             else:
                 positions = [i.chunk.start for i in inputs]
                 self._mark(lives, positions)
+                masks, failed = None, {}
                 if any(lv.grammar is not None for lv in lives):
-                    outputs, prev = self._apply(prev, apply, finish), None
-                masks, failed = self.grammars.step_masks(
-                    [lv.grammar if self._is_live(lv) else None for lv in lives], ())
+                    outputs, filling = self._apply_filling_masks(prev, lives, apply, finish)
+                    prev = None
+                    masks, failed = filling.result()
                 outputs += [finish(lives[j], FinishReason.ERROR, error=error) for j, error in failed.items()]
                 try:
                     self.pending = Pending(lives, positions, self._fetch(lives, logits, greedy, masks))
@@ -154,11 +157,22 @@ class AheadSteps:
             self.pending = None  # every row it fed ended (and was undone): nothing to apply
         return outputs
 
-    def _apply(self, prev: Pending, apply: Apply, finish: Finish) -> list[RequestOutput]:
+    def _apply_filling_masks(self, prev: Pending, lives: list[LiveRequest], apply: Apply,
+                             finish: Finish) -> tuple[list[RequestOutput], Future]:
+        """The pending step applied, its grammar rows first; then the masks of the step just
+        launched (`lives`) fill on the grammar thread, which lets go of the GIL, while this
+        thread applies the other rows. Returns the outputs and the masks' future."""
+        with_grammar = self._apply(prev, apply, finish, lambda lv: lv.grammar is not None)
+        filling = self.grammars.fill_masks_async([lv.grammar if self._is_live(lv) else None for lv in lives])
+        return with_grammar + self._apply(prev, apply, finish, lambda lv: lv.grammar is None), filling
+
+    def _apply(self, prev: Pending, apply: Apply, finish: Finish,
+               which: Callable[[LiveRequest], bool] | None = None) -> list[RequestOutput]:
+        """The pending step's tokens applied to its live rows (those `which` selects)."""
         for lane, live in enumerate(prev.lives):
             if live.ahead == (lane, prev.positions[lane]):
                 live.ahead = None  # this step is being applied: nothing to undo any more
-        lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv)]
+        lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv) and (which is None or which(lv))]
         try:
             tokens, finite = prev.fetch.result()
             logprobs = prev.fetch.lane_logprobs()

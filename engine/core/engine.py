@@ -116,8 +116,10 @@ class Engine:
         self.logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
 
     def close(self) -> None:
-        """Release what outlives a step (the SessionDB connection). The engine is unusable after."""
+        """Release what outlives a step (the SessionDB connection, the grammar thread). The engine
+        is unusable after."""
         self.sessions.close()
+        self.grammars.close()
 
     # ---- sessions (the verbs the front end calls) --------------------------------------------------
     def create_session(self, session_id: str | None = None, owner: str | None = None,

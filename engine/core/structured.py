@@ -16,14 +16,16 @@ tokens); the sampler applies the masks to those rows only, after their penalties
 their pick and logprobs (runner/sampler.py `asking_picks`, runner/token_mask.py). A grammar that
 can go no further ends its request (finish reason stop). Steps launched ahead (core/ahead.py)
 keep running with grammar rows: a row's next mask needs the token the step before produced, so
-that step is applied and the masks filled while the device runs the next forward, and the picks
-are queued behind it.
+that step is applied and the masks filled (on a thread of their own, `fill_masks_async`, while
+the engine thread applies the step's other rows) while the device runs the next forward, and the
+picks are queued behind it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -93,6 +95,7 @@ class Grammars:
         self._build_error: str | None = None
         self._built = threading.Event()
         self._building: threading.Thread | None = None
+        self._filler: ThreadPoolExecutor | None = None  # fills masks for steps launched ahead
         if tokenizer is None:
             self._build_error = "structured outputs need the model's tokenizer; this model has none"
             self._built.set()
@@ -143,6 +146,20 @@ class Grammars:
             self._compiled.move_to_end(grammar)
         eos = self._lltok.eos_token
         return RowGrammar(proto.deep_copy(), eos, tuple(t for t in stop_token_ids if t != eos and 0 <= t < self.vocab_size))
+
+    def fill_masks_async(self, grammars: list[RowGrammar | None]) -> Future:
+        """`step_masks(grammars, ())` on the grammar thread: filling a mask lets go of the GIL, so
+        the caller goes on meanwhile. The matchers in `grammars` belong to that thread until the
+        future is done."""
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="s5serve-grammar-masks")
+        return self._filler.submit(self.step_masks, grammars, ())
+
+    def close(self) -> None:
+        """Stop the grammar thread (once its work is done)."""
+        if self._filler is not None:
+            self._filler.shutdown(wait=False)
+            self._filler = None
 
     def step_masks(self, grammars: list[RowGrammar | None], skip) -> tuple[TokenMasks | None, dict[int, str]]:
         """The masks of a step's rows that have a grammar (`grammars[j]`, rows in `skip` left

@@ -3,7 +3,7 @@ rows with penalties, biases or logprobs go through logits_process.py first, and 
 grammar through its mask (token_mask.py). A row's logits pass, in this order:
 
     penalties, logit_bias, min_tokens   logits_process.py `process`   (rows that ask for them)
-    the grammar's mask                  token_mask.py `apply_bitmask` (rows with a grammar)
+    the grammar's mask                  token_mask.py `apply_bitmask_` (rows with a grammar)
     greedy argmax, or temperature, top-k, top-p and a seeded draw
 and a row's logprobs are the log-softmax of the logits its token was picked from: processed and
 masked, before temperature, top-k and top-p.
@@ -24,7 +24,7 @@ import torch
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, TokenLogprobs
 from engine.runner.logits_process import RowLogitsState, logprobs_pack, logprobs_unpack, process
-from engine.runner.token_mask import apply_bitmask
+from engine.runner.token_mask import apply_bitmask_
 from engine.runner.transfer import to_device
 
 
@@ -145,9 +145,10 @@ def asking_picks(logits: torch.Tensor, params: list[SamplingParams], generators:
     if processed:
         rows = to_device(processed, torch.long, dev)
         x = logits.float().index_copy(0, rows, process(logits.index_select(0, rows), [states[i] for i in processed]))
-    if masks is not None:
-        rows = to_device(masks.rows, torch.long, dev)
-        x = x.float().index_copy(0, rows, apply_bitmask(x.index_select(0, rows), masks.bitmask))
+    if masks is not None:  # in place, on a float32 copy of its own
+        if x is logits:
+            x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        apply_bitmask_(x, masks.rows, masks.bitmask)
     tokens = greedy_tokens(x)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

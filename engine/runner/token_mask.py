@@ -1,19 +1,61 @@
 """Grammar masks on logits: the rows of a step that have a grammar sample only the tokens it
 allows (engine/core/structured.py makes the masks; runner/sampler.py `asking_picks` applies them,
 after the rows' penalties and before their picks and logprobs). Greedy and sampled rows alike, on
-the logits' device; rows without a grammar never pass through here."""
+the logits' device; rows without a grammar never pass through here.
+
+On a CUDA device one Triton kernel applies every masked row's bits in place (the bits travel as
+4 bytes per 32 tokens, through pinned memory, so the host does not wait for the steps queued
+before); it is the few launches a step with a grammar row adds to the host's work, which steps
+launched ahead must keep within the device's step time."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from engine.runner.transfer import to_device
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+BLOCK = 4096  # tokens per program: 128 words of bits
+
+if triton is not None:
+
+    @triton.jit
+    def _ban_kernel(logits, rows, bits, vocab, logits_stride, bits_stride, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = t < vocab
+        word = tl.load(bits + r * bits_stride + t // 32, mask=inside, other=-1)
+        banned = ((word >> (t % 32)) & 1) == 0
+        row = tl.load(rows + r).to(tl.int64)
+        tl.store(logits + row * logits_stride + t, float("-inf"), mask=inside & banned)
+
+
+def apply_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets every token of row `rows[i]` of `logits` [n, vocab] (float32) whose bit in
+    `bitmask[i]` ([len(rows), ceil(vocab/32)] int32, on the host) is 0 to -inf, in place; returns
+    `logits`."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cuda" and triton is not None and logits.stride(1) == 1:
+        bits = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        index = to_device(rows, torch.int32, logits.device)
+        _ban_kernel[(len(rows), triton.cdiv(vocab, BLOCK))](logits, index, bits, vocab, logits.stride(0),
+                                                             bits.stride(0), BLOCK=BLOCK)
+        return logits
+    index = to_device(rows, torch.long, logits.device)
+    logits.index_copy_(0, index, masked(logits.index_select(0, index), bitmask))
+    return logits
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [r, vocab] with every token whose bit in `bitmask` [r, ceil(vocab/32)] int32 (on
-    the host) is 0 set to -inf (a new tensor, float32). On the CPU the bits are unpacked with
-    numpy; on an accelerator the bits travel (4 bytes per 32 tokens, through pinned memory, so the
-    host does not wait for the steps queued before) and are unpacked there."""
+    the host) is 0 set to -inf (a new tensor, float32): the reference `apply_bitmask_` keeps to.
+    On the CPU the bits are unpacked with numpy, elsewhere on the device."""
     vocab = logits.shape[1]
     if logits.device.type == "cpu":
         banned = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]

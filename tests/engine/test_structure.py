@@ -4,6 +4,7 @@ garbage collector. That matters on CUDA: freeing an engine destroys its CUDA gra
 forbids while another engine is capturing, and a collection can start at any allocation."""
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -48,5 +49,25 @@ def test_a_dropped_engine_is_freed_by_reference_counting(tmp_path, overlap):
         del engine, core, parts
         alive = [type(r()).__name__ for r in refs if r() is not None]
         assert alive == [], f"kept alive by a reference cycle: {alive}"
+    finally:
+        gc.enable()
+
+
+def test_the_grammar_thread_ends_with_its_owner():
+    """The thread that fills grammar masks for steps launched ahead belongs to the engine's
+    `Grammars`: dropped (without `close`), it is freed by reference counting and its thread ends."""
+    from engine.core.structured import Grammars
+
+    gc.collect()
+    gc.disable()
+    try:
+        grammars = Grammars(None, 64, (1,))
+        assert grammars.fill_masks_async([None, None]).result() == (None, {})
+        [thread] = [t for t in threading.enumerate() if t.name.startswith("s5serve-grammar-masks")]
+        ref = weakref.ref(grammars)
+        del grammars
+        assert ref() is None
+        thread.join(timeout=10)
+        assert not thread.is_alive()
     finally:
         gc.enable()

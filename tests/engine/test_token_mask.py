@@ -6,7 +6,7 @@ import torch
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams
 from engine.runner.sampler import greedy_tokens, make_generator, pick_tokens
-from engine.runner.token_mask import apply_bitmask
+from engine.runner.token_mask import apply_bitmask_, masked
 
 
 def _bits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -14,14 +14,24 @@ def _bits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(-(1 << 31), (1 << 31) - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=g)
 
 
-def test_apply_bitmask_matches_the_bits():
+def test_masks_ban_exactly_the_tokens_whose_bit_is_zero():
     vocab = 1000  # not a multiple of 32: the last word's spare bits are ignored
     bitmask, logits = _bits(3, vocab, 0), torch.randn(3, vocab)
-    out = apply_bitmask(logits, bitmask)
+    out = masked(logits, bitmask)
     for r in range(3):
         for t in range(vocab):
             allowed = (int(bitmask[r, t // 32]) >> (t % 32)) & 1
             assert out[r, t].item() == (logits[r, t].item() if allowed else float("-inf"))
+
+
+def test_applied_in_place_to_the_masked_rows_only():
+    vocab = 1000
+    bitmask, logits = _bits(2, vocab, 1), torch.randn(5, vocab)
+    x = logits.clone()
+    assert apply_bitmask_(x, [1, 3], bitmask) is x
+    assert torch.equal(x[[0, 2, 4]], logits[[0, 2, 4]])
+    assert torch.equal(x[1], masked(logits[1:2], bitmask[:1])[0])
+    assert torch.equal(x[3], masked(logits[3:4], bitmask[1:])[0])
 
 
 def test_masked_rows_only_change_their_own_tokens():

@@ -120,14 +120,21 @@ def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
 
 
 def test_cuda_bitmask_equals_the_cpus():
-    """Grammar masks unpacked on the device ban exactly the tokens the host's unpacking bans."""
-    from engine.runner.token_mask import apply_bitmask
+    """The device's kernel bans, in place and in the masked rows only, exactly the tokens the
+    host's unpacking bans (and the device's unpacking agrees too)."""
+    from engine.runner.token_mask import apply_bitmask_, masked
 
     vocab = 262_144 + 7  # a spare-bit tail in the last word
     g = torch.Generator().manual_seed(3)
     bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
-    logits = torch.randn(3, vocab, generator=g)
-    assert torch.equal(apply_bitmask(logits.cuda(), bitmask).cpu(), apply_bitmask(logits, bitmask))
+    logits = torch.randn(5, vocab, generator=g)
+    rows = [4, 0, 2]
+    want = logits.clone()
+    want[rows] = masked(logits[rows], bitmask)
+    got = logits.cuda()
+    assert apply_bitmask_(got, rows, bitmask) is got
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(masked(logits[rows].cuda(), bitmask).cpu(), want[rows])
 
 
 def test_cuda_asking_picks_never_wait_for_the_device():
