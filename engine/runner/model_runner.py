@@ -17,6 +17,7 @@ from engine.kernels import launch
 from engine.kv.rows import RowPool
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, StepLogits
+from engine.runner.token_mask import fast_greedy, masked_greedy_
 from engine.runner.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,12 @@ class ModelRunner:
         `masks`, whose rows are lanes: `asking_picks`) in its lane, and those rows' logprobs."""
         asking = [j for j, p in enumerate(params) if not p.plain]
         picks, logprobs = greedy, None
-        if asking:
+        if masks is not None and masks.rows == asking and fast_greedy(logits.device) and logits.stride(1) == 1 \
+                and all(params[j].greedy and params[j].logprobs is None and not params[j].processed for j in asking):
+            picks = greedy.clone()  # greedy rows under grammars only (JSON mode): one kernel
+            masked_greedy_(picks, logits, masks.rows, masks.bitmask)
+            self.decoder.feed_next(picks[0])
+        elif asking:
             states = states or [None] * len(params)
             if masks is not None:  # the masks' rows, as indices into `asking` (both ascending)
                 at = {j: i for i, j in enumerate(asking)}

@@ -119,6 +119,64 @@ def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
     assert engine.pool.used_rows() == []
 
 
+def test_cuda_greedy_grammar_rows_take_the_one_kernel_pick(monkeypatch):
+    """Greedy grammar rows beside greedy free rows (JSON mode) are picked by the one-kernel masked
+    argmax in steps launched ahead; every row's tokens equal those of steps applied in order."""
+    from llguidance import LLMatcher
+
+    from engine.runner import model_runner
+    from service.structured import JSON_OPTIONS
+
+    calls = []
+    kernel = model_runner.masked_greedy_
+    monkeypatch.setattr(model_runner, "masked_greedy_", lambda *a: calls.append(1) or kernel(*a))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    tok = byte_tokenizer()
+    batch = [Request("g", tok("{")["input_ids"], SamplingParams(max_tokens=60, grammar=grammar)),
+             Request("h", tok("A record:")["input_ids"], SamplingParams(max_tokens=60, grammar=grammar)),
+             *[Request(f"f{i}", [5 + i, 6, 7 + i], SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(5)]]
+    got, _ = run(cuda_engine(overlap=True, tokenizer=tok), [replace(r) for r in batch])
+    assert calls
+    plain, _ = run(cuda_engine(overlap=False, tokenizer=tok), [replace(r) for r in batch])
+    assert plain == got
+    for g in ("g", "h"):
+        assert set(json.loads(tok.decode(got[g], skip_special_tokens=True))) == {"name", "ok"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_masked_greedy_kernel_equals_mask_then_argmax(dtype):
+    """The one-kernel masked argmax against the mask then torch's argmax: the first of equal
+    maxima, an all-banned lane and a lane with an allowed NaN flagged not finite, other lanes
+    untouched."""
+    from engine.runner.sampler import greedy_tokens
+    from engine.runner.token_mask import apply_bitmask_, masked_greedy_
+
+    vocab, n = 262_144 + 7, 6
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(n, vocab, generator=g).to(dtype)
+    bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    lanes = [4, 1, 3, 0]
+    bitmask[2] = 0  # lane 3: everything banned
+    bitmask[0, 5000 // 32] |= 1 << (5000 % 32)
+    bitmask[0, 9000 // 32] |= 1 << (9000 % 32)
+    logits[4, 5000] = logits[4, 9000] = 50.0  # a tie on lane 4: the first wins
+    bitmask[3, 700 // 32] |= 1 << (700 % 32)
+    logits[0, 700] = float("nan")  # lane 0: an allowed NaN
+    x = logits.float().clone()
+    apply_bitmask_(x, lanes, bitmask)
+    want = greedy_tokens(x)
+    picks = torch.full((2, n), -7, dtype=torch.long, device="cuda")
+    masked_greedy_(picks, logits.cuda(), lanes, bitmask)
+    got = picks.cpu()
+    assert got[0, 4] == 5000 and got[1, 4] == 1
+    assert got[0, 1] == want[0, 1] and got[1, 1] == 1
+    assert got[1, 3] == 0 and want[1, 3] == 0
+    assert got[1, 0] == 0 and want[1, 0] == 0
+    assert (got[:, [2, 5]] == -7).all()
+
+
 def test_cuda_bitmask_equals_the_cpus():
     """The device's kernel bans, in place and in the masked rows only, exactly the tokens the
     host's unpacking bans (and the device's unpacking agrees too)."""
