@@ -1,22 +1,23 @@
 """What one grammar row costs the batch it decodes in.
 
-A batch of N rows (default 32) decodes `--steps` steps on the CPU with the embedded model: once
-with every row free, once with row 0 under a JSON-schema grammar (an array of short strings that
-cannot end within the run, so the batch keeps its size) and the other N - 1 free. Both batches
-run the same prompts and token counts, alternately, `--repeats` times. Reported: decode
+A batch of N rows (default 32) decodes N x `--steps` tokens on the CPU with the embedded model:
+once with every row free, once with row 0 under a JSON-schema grammar (an array of short strings
+that cannot end within the run, so the batch keeps its size) and the other N - 1 free. Both
+batches run the same prompts and token counts, alternately, `--repeats` times. Reported: decode
 throughput (tokens per second, all rows) with the grammar row as a ratio of the same batch
 without it (median of the pairs), by wall time and by the process's CPU time (the CPU-time ratio
-holds where other work shares the machine's cores; the wall one where it does not); and, timed
-on its own, the grammar row's share of a step (its mask, the mask's application to its logits
-and its own pick) in milliseconds of CPU time on one thread, best of 50, beside a free step's
-CPU time. Also the engine's compile time of
-a first request's grammar.
+holds where other work shares the machine's cores; the wall one where it does not); the grammar
+row's own tokens per step (below 1 where it sits steps out); and, timed on its own, the grammar
+row's share of a step (its mask, the mask's application to its logits and its own pick) in
+milliseconds of CPU time on one thread, best of 50, beside a free step's CPU time. Also the
+engine's compile time of a first request's grammar.
 
     nice -n 10 python -m bench.grammar_row [--n 32] [--steps 8] [--repeats 3] [--sampled]
 
 On a GPU, a BENCH.md shape with random weights and a real tokenizer of its vocabulary (the grammar
 needs one); there steps keep launching ahead of the host with a grammar row in them (its mask is
-filled while the device runs the next forward), and the ratio measures what is left of its cost:
+filled while the device runs the next forward, and it sits a step out where the mask is late),
+and the ratio measures what is left of its cost:
 
     python -m bench.grammar_row --shape gemma3-1b --tokenizer DIR --device cuda --dtype bfloat16 \
         --n 32 --steps 64 --repeats 5
@@ -62,16 +63,18 @@ def decode_rate(engine: Engine, n: int, steps: int, grammar: str | None, sampled
     while len(engine.scheduler.decoding() or ()) < n:  # prefill, until every row decodes
         engine.step()
     engine.step()  # a step launched ahead settles its tokens one step later: start from a settled one
-    before = engine.stats["decode_tokens"]
+    before, steps0 = engine.stats["decode_tokens"], engine.stats["steps"]
+    row0 = 0  # row 0's tokens (the grammar row's, where there is one: it may sit steps out)
     t0, c0 = time.perf_counter(), time.process_time()
     while engine.stats["decode_tokens"] - before < n * steps:
-        engine.step()
+        row0 += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == "r0")
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    tokens = engine.stats["decode_tokens"] - before
-    assert tokens == n * steps, "a row left the batch during the timing"
+    tokens, ran = engine.stats["decode_tokens"] - before, engine.stats["steps"] - steps0
+    assert len(engine.scheduler.decoding() or ()) == n, "a row left the batch during the timing"
     for i in range(n):
         engine.abort(f"r{i}")
-    return {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu, "ms_per_step": wall / steps * 1e3}
+    return {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu, "ms_per_step": wall / ran * 1e3,
+            "steps": ran, "row0_tokens_per_step": row0 / ran}
 
 
 def grammar_row_ms(engine: Engine, grammar: str, n: int, vocab: int, sampled: bool, iters: int = 50) -> float:
@@ -178,7 +181,8 @@ def main() -> None:
         return
     decode_rate(engine, a.n, 2, grammar, a.sampled, loaded.tokenizer)  # warm-up
     pairs = []
-    print(f"{'run':>4} {'free tok/s':>11} {'grammar tok/s':>14} {'wall ratio':>11} {'cpu ratio':>10}")
+    print(f"{'run':>4} {'free tok/s':>11} {'grammar tok/s':>14} {'wall ratio':>11} {'cpu ratio':>10} "
+          f"{'grammar row tokens/step':>24}")
     for r in range(a.repeats):
         free = decode_rate(engine, a.n, a.steps, None, a.sampled, loaded.tokenizer)
         gram = decode_rate(engine, a.n, a.steps, grammar, a.sampled, loaded.tokenizer)
@@ -186,7 +190,7 @@ def main() -> None:
                 "cpu_ratio": gram["tokens_per_cpu_s"] / free["tokens_per_cpu_s"]}
         pairs.append(pair)
         print(f"{r:4} {free['tokens_per_s']:11.1f} {gram['tokens_per_s']:14.1f} {pair['wall_ratio']:11.3f} "
-              f"{pair['cpu_ratio']:10.3f}")
+              f"{pair['cpu_ratio']:10.3f} {gram['row0_tokens_per_step']:24.2f}")
     wall_ratio = statistics.median(p["wall_ratio"] for p in pairs)
     cpu_ratio = statistics.median(p["cpu_ratio"] for p in pairs)
     step_cpu_ms = statistics.median(a.n / p["free"]["tokens_per_cpu_s"] * 1e3 for p in pairs)

@@ -11,11 +11,16 @@ otherwise (EOS, a stop string) was fed one token too many: each row launched ahe
 `LiveRequest.ahead` = (lane, position), and the engine's `_finish` undoes that token's forward
 (`RowPool.undo_decode`), so the row is exactly what the plain order of steps leaves.
 
-A row with a grammar samples under a mask that needs its previous token accepted: with such rows
-in the step, the pending step is applied right after the next forward is launched (its grammar
-rows first), the masks are filled on the grammar thread while this thread applies the other rows
-and the device runs that forward, and the picks are queued behind it (on the device, like every
-asking row's), so the host's work still overlaps the device's.
+A row with a grammar samples under a mask that needs its previous token accepted. Its pick is
+made apart from the step's, right before the next step is launched: the pending step is applied
+right after a launch (its grammar rows first), their masks for the step just launched fill on the
+grammar thread while the engine thread applies the other rows and the device runs the forward,
+and at the next launch each grammar row whose mask is ready is picked on the device, where its
+token feeds the new step like every row's. A row whose mask is still filling when the device has
+finished the forward sits the next step out (`Late`): its logits row is kept, picked once the
+mask is filled, and the row is fed again from the host in the first step launched after its
+token is applied. So the other rows never wait for a grammar engine slower than the device, and
+every row's tokens are those of the plain order.
 
 The engine owns this object; it borrows the engine's runner, scheduler, pool, live requests and
 counters, and is handed the engine's `apply` and `finish` for each step it applies (held for the
@@ -26,13 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from engine.core.requests import LiveRequest
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.structured import Grammars, TokenMasks
+from engine.core.structured import Grammars
 from engine.core.types import FinishReason, RequestOutput, StepLogits, TokenLogprobs
 from engine.kv.rows import RowPool
 from engine.runner.attention import ForwardChunk
@@ -49,7 +56,21 @@ class Pending(NamedTuple):
 
     lives: list[LiveRequest]  # per lane
     positions: list[int]  # the position each lane fed
-    fetch: GreedyFetch  # its tokens, on their way to the host
+    logits: torch.Tensor  # [lanes, vocab]: valid until the next step is launched
+    fetch: GreedyFetch  # its tokens on their way to the host (but the grammar lanes')
+    masks: dict[int, Future]  # grammar lane -> its mask for this step's pick, filling
+
+
+@dataclass
+class Late:
+    """A grammar row sitting out: its logits of the step it last ran in, picked once its mask is
+    filled; the row is fed again from the host once that token is applied."""
+
+    live: LiveRequest
+    position: int  # the position that step fed
+    logits: torch.Tensor  # [1, vocab]
+    mask: Future  # its mask, filling
+    fetch: GreedyFetch | None = None  # its pick on its way to the host, once queued
 
 
 class AheadSteps:
@@ -60,8 +81,9 @@ class AheadSteps:
         self.pool = pool
         self.live = live  # the engine's live requests: request id -> LiveRequest
         self.stats = stats
-        self.grammars = grammars  # the engine's: a step's grammar masks
+        self.grammars = grammars  # the engine's: grammar rows' masks, filled on its thread
         self.pending: Pending | None = None  # a static decode step launched, not yet applied
+        self.late: list[Late] = []  # grammar rows sitting out; only while a step is pending
 
     def launch(self, plan: SchedulerOutput, lives: list[LiveRequest], inputs: list[RunnerInput],
                out: StepLogits) -> bool:
@@ -71,24 +93,27 @@ class AheadSteps:
         logits, owners, greedy = out
         if not (greedy is not None and len(owners) == len(inputs) and all(c.decode for c in plan.chunks)):
             return False
-        masks, failed = self.grammars.step_masks([lv.grammar for lv in lives], ())
-        if failed:  # the plain path ends those rows with the grammar's error
-            return False
         try:
-            fetch = self._fetch(lives, logits, greedy, masks)
+            fetch = self._fetch(lives, logits, greedy)
         except Exception:  # sampling failed: the plain path ends those rows with the error
             return False
         positions = [i.chunk.start for i in inputs]
         self._mark(lives, positions)
-        self.pending = Pending(lives, positions, fetch)
+        self.pending = Pending(lives, positions, logits, fetch, self._fill(lives))
         return True
 
-    def _fetch(self, lives: list[LiveRequest], logits: torch.Tensor, greedy: torch.Tensor,
-               masks: TokenMasks | None) -> GreedyFetch:
-        """A launched static step's tokens picked on the device (under the grammar rows' masks)
-        and on their way to the host."""
+    def _fetch(self, lives: list[LiveRequest], logits: torch.Tensor, greedy: torch.Tensor) -> GreedyFetch:
+        """A launched static step's tokens picked on the device (but the grammar rows', picked
+        apart at the next launch) and on their way to the host."""
         return self.runner.fetch_picks(logits, greedy, [lv.request.params for lv in lives],
-                                       [lv.generator for lv in lives], [lv.logits_state for lv in lives], masks)
+                                       [lv.generator for lv in lives], [lv.logits_state for lv in lives],
+                                       skip={lane for lane, lv in enumerate(lives) if lv.grammar is not None})
+
+    def _fill(self, lives: list[LiveRequest]) -> dict[int, Future]:
+        """The masks of a step's grammar rows (by lane) for that step's picks, each filling on
+        the grammar thread (its previous token is accepted)."""
+        return {lane: self.grammars.fill_masks_async([lv.grammar]) for lane, lv in enumerate(lives)
+                if lv.grammar is not None and self._is_live(lv)}
 
     @staticmethod
     def _mark(lives: list[LiveRequest], positions: list[int]) -> None:
@@ -99,84 +124,173 @@ class AheadSteps:
     def _is_live(self, live: LiveRequest) -> bool:
         return self.live.get(live.request_id) is live
 
-    def _chainable(self, prev: Pending, hooked: bool) -> list[tuple[int, LiveRequest]]:
-        """The pending step's lanes that the next step feeds: every running request is in it,
-        and none ends by length at the pending step (the host knows that in advance)."""
+    @staticmethod
+    def _device_idle(fetch: GreedyFetch) -> bool:
+        """Whether the device has finished the step `fetch` follows (False where nothing runs
+        behind the host: there a grammar row's mask is always waited for)."""
+        return fetch.done is not None and fetch.ready()
+
+    def _continues(self, prev: Pending, hooked: bool) -> bool:
+        """Whether the next step can be launched ahead: every running request decodes, in the
+        pending step or sitting out."""
         if hooked:
-            return []
+            return False
         running = self.scheduler.decoding()  # None: a request waits, or one prefills
-        still = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv)]
-        if running is None or set(running) != {lv.request_id for _, lv in still}:
-            return []
-        return [(lane, live) for lane, live in still
-                if len(live.output_ids) + 1 < live.request.params.max_tokens and prev.positions[lane] + 2 < live.max_len]
+        rows = {lv.request_id for lv in prev.lives if self._is_live(lv)}
+        rows |= {late.live.request_id for late in self.late if self._is_live(late.live)}
+        return running is not None and set(running) == rows
 
     def step(self, apply: Apply, finish: Finish, hooked: bool) -> list[RequestOutput]:
         """Launch the next static decode step, if the next step is one, then apply the pending
         one while the device runs it. A sampling row draws its next token right after the launch,
-        on the device, so its draws come in the order they would without the overlap. A row with
-        a grammar needs the pending step's token accepted before its mask for the next step can
-        be filled: with such rows the pending step is applied right after the launch, the masks
-        filled while the device still runs the forward, and the picks queued behind it. `hooked`:
-        the engine calls a logits hook, which needs every step's logits on the host (nothing is
-        launched ahead)."""
+        on the device, so its draws come in the order they would without the overlap; a grammar
+        row's pick is queued right before the launch, or later where its mask is late (see the
+        module's docstring). `hooked`: the engine calls a logits hook, which needs every step's
+        logits on the host (nothing is launched ahead)."""
         prev, self.pending = self.pending, None
-        chained = self._chainable(prev, hooked)
-        lives = [lv for _, lv in chained]
-        outputs: list[RequestOutput] = []
-        failure = None
-        if chained:
-            inputs = []
-            for live in lives:
-                start = self.pool.kv_len(live.row)
-                inputs.append(RunnerInput(ForwardChunk(live.row, 1, start, start, True), [0], True))
-            self.stats["steps"] += 1
-            self.stats["decode_tokens"] += len(inputs)
-            try:
-                logits, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained])
-            except Exception as exc:  # the forward failed: its rows end once the pending step is applied
-                failure = f"forward failed: {exc}"
-            else:
-                positions = [i.chunk.start for i in inputs]
-                self._mark(lives, positions)
-                masks, failed = None, {}
-                if any(lv.grammar is not None for lv in lives):
-                    outputs, filling = self._apply_filling_masks(prev, lives, apply, finish)
-                    prev = None
-                    masks, failed = filling.result()
-                outputs += [finish(lives[j], FinishReason.ERROR, error=error) for j, error in failed.items()]
-                try:
-                    self.pending = Pending(lives, positions, self._fetch(lives, logits, greedy, masks))
-                except Exception as exc:
-                    failure = f"sampling failed: {exc}"
-        if prev is not None:
-            outputs += self._apply(prev, apply, finish)
-        if failure is not None:
-            outputs += [finish(lv, FinishReason.ERROR, error=failure) for lv in lives if self._is_live(lv)]
+        if not self._continues(prev, hooked):
+            return self._settle(prev, apply, finish)
+        outputs, picked = self._pick_grammar_lanes(prev, finish, wait=False)
+        late_out, rejoin = self._advance_late(apply, finish)
+        outputs += late_out
+        chained = [(lane, lv) for lane, lv in enumerate(prev.lives)  # a grammar row only where picked just now
+                   if self._is_live(lv) and (lv.grammar is None or lane in picked)
+                   and len(lv.output_ids) + 1 < lv.request.params.max_tokens and prev.positions[lane] + 2 < lv.max_len]
+        lives = [lv for _, lv in chained] + rejoin
+        if not lives:
+            return outputs + self._apply(prev, apply, finish, picked) + self._settle(None, apply, finish)
+        inputs = []
+        for live in lives:
+            start = self.pool.kv_len(live.row)
+            inputs.append(RunnerInput(ForwardChunk(live.row, 1, start, start, True), [live.output_ids[-1]], True))
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(inputs)
+        try:
+            logits, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained] + [-1] * len(rejoin))
+        except Exception as exc:  # the forward failed: its rows end once the pending step is applied
+            outputs += self._apply(prev, apply, finish, picked)
+            outputs += [finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for lv in lives if self._is_live(lv)]
+            return outputs + self._settle(None, apply, finish)
+        positions = [i.chunk.start for i in inputs]
+        self._mark(lives, positions)
+        masks: dict[int, Future] = {}
+
+        def fill() -> None:  # the pending step's grammar rows are applied: the new step's masks fill
+            masks.update(self._fill(lives))
+        outputs += self._apply(prev, apply, finish, picked, fill)
+        try:
+            self.pending = Pending(lives, positions, logits, self._fetch(lives, logits, greedy), masks)
+        except Exception as exc:
+            outputs += [finish(lv, FinishReason.ERROR, error=f"sampling failed: {exc}") for lv in lives if self._is_live(lv)]
         if self.pending is not None and not any(self._is_live(lv) for lv in self.pending.lives):
             self.pending = None  # every row it fed ended (and was undone): nothing to apply
+        if self.pending is None:
+            outputs += self._settle(None, apply, finish)
         return outputs
 
-    def _apply_filling_masks(self, prev: Pending, lives: list[LiveRequest], apply: Apply,
-                             finish: Finish) -> tuple[list[RequestOutput], Future]:
-        """The pending step applied, its grammar rows first; then the masks of the step just
-        launched (`lives`) fill on the grammar thread, which lets go of the GIL, while this
-        thread applies the other rows. Returns the outputs and the masks' future."""
-        with_grammar = self._apply(prev, apply, finish, lambda lv: lv.grammar is not None)
-        filling = self.grammars.fill_masks_async([lv.grammar if self._is_live(lv) else None for lv in lives])
-        return with_grammar + self._apply(prev, apply, finish, lambda lv: lv.grammar is None), filling
+    def _pick_grammar_lanes(self, prev: Pending, finish: Finish,
+                            wait: bool) -> tuple[list[RequestOutput], dict[int, tuple[GreedyFetch, int]]]:
+        """The pending step's grammar rows picked on the device under their masks, their tokens
+        fed to the step launched next: {lane: (fetch, index in it)}. `wait`: for every mask;
+        else for each only while the device still runs the pending step's forward, and a row
+        whose mask is not ready by then sits out (`self.late`). A row whose grammar failed ends."""
+        lanes = [lane for lane in prev.masks if self._is_live(prev.lives[lane])]
+        futures = [prev.masks[lane] for lane in lanes]
+        if wait:
+            futures_wait(futures)
+        else:
+            while not all(f.done() for f in futures) and not self._device_idle(prev.fetch):
+                futures_wait(futures, timeout=50e-6)
+        outputs, ready, bits = [], [], []
+        for lane in lanes:
+            live = prev.lives[lane]
+            if not prev.masks[lane].done():  # it sits out; the pending step fed it a token applied already
+                live.ahead = None
+                self.late.append(Late(live, prev.positions[lane], prev.logits[lane : lane + 1].clone(), prev.masks[lane]))
+                continue
+            mask, failed = prev.masks[lane].result()
+            if failed:
+                outputs.append(finish(live, FinishReason.ERROR, error=failed[0]))
+            else:
+                ready.append(lane)
+                bits.append(mask.bitmask)
+        if not ready:
+            return outputs, {}
+        lives = [prev.lives[lane] for lane in ready]
+        try:
+            fetch = self.runner.pick_masked(prev.logits, ready, [lv.request.params for lv in lives],
+                                            [lv.generator for lv in lives], [lv.logits_state for lv in lives],
+                                            torch.cat(bits), lanes=ready)
+        except Exception as exc:
+            return outputs + [finish(lv, FinishReason.ERROR, error=f"sampling failed: {exc}") for lv in lives], {}
+        return outputs, {lane: (fetch, i) for i, lane in enumerate(ready)}
 
-    def _apply(self, prev: Pending, apply: Apply, finish: Finish,
-               which: Callable[[LiveRequest], bool] | None = None) -> list[RequestOutput]:
-        """The pending step's tokens applied to its live rows (those `which` selects)."""
+    def _advance_late(self, apply: Apply, finish: Finish,
+                      wait: bool = False) -> tuple[list[RequestOutput], list[LiveRequest]]:
+        """Rows sitting out: each whose mask is filled is picked (on its kept logits); each whose
+        pick has landed is applied, and if it goes on, fed again (returned). `wait`: for all."""
+        outputs, rejoin, still = [], [], []
+        for late in self.late:
+            live = late.live
+            if not self._is_live(live):
+                continue
+            if late.fetch is None and (wait or late.mask.done()):
+                mask, failed = late.mask.result()
+                if failed:
+                    outputs.append(finish(live, FinishReason.ERROR, error=failed[0]))
+                    continue
+                try:
+                    late.fetch = self.runner.pick_masked(late.logits, [0], [live.request.params], [live.generator],
+                                                         [live.logits_state], mask.bitmask)
+                except Exception as exc:
+                    outputs.append(finish(live, FinishReason.ERROR, error=f"sampling failed: {exc}"))
+                    continue
+            if late.fetch is not None and (wait or late.fetch.ready()):
+                tokens, finite = late.fetch.result()
+                outputs.append(apply(live, (tokens[0], finite[0]), late.position + 1, late.fetch.lane_logprobs().get(0)))
+                if self._is_live(live):
+                    rejoin.append(live)
+                continue
+            still.append(late)
+        self.late = still
+        return outputs, rejoin
+
+    def _settle(self, prev: Pending | None, apply: Apply, finish: Finish) -> list[RequestOutput]:
+        """The pending step (if any) and every row sitting out applied, waiting for whatever they
+        need: nothing is left in flight (the engine's next step is a plain one)."""
+        outputs: list[RequestOutput] = []
+        if prev is not None:
+            outputs, picked = self._pick_grammar_lanes(prev, finish, wait=True)
+            outputs += self._apply(prev, apply, finish, picked)
+        late_out, _ = self._advance_late(apply, finish, wait=True)
+        return outputs + late_out
+
+    def _apply(self, prev: Pending, apply: Apply, finish: Finish, picked: dict[int, tuple[GreedyFetch, int]],
+               between: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """The pending step's tokens applied to its live rows (a grammar row's from its own pick;
+        rows sitting out are not), grammar rows first; then `between()`, then the others."""
         for lane, live in enumerate(prev.lives):
             if live.ahead == (lane, prev.positions[lane]):
                 live.ahead = None  # this step is being applied: nothing to undo any more
-        lives = [(lane, lv) for lane, lv in enumerate(prev.lives) if self._is_live(lv) and (which is None or which(lv))]
+        lanes = [(lane, lv) for lane, lv in enumerate(prev.lives)
+                 if self._is_live(lv) and (lv.grammar is None or lane in picked)]
         try:
             tokens, finite = prev.fetch.result()
             logprobs = prev.fetch.lane_logprobs()
+            grammar = {}
+            for lane, (fetch, i) in picked.items():
+                t, f = fetch.result()
+                grammar[lane] = ((t[i], f[i]), fetch.lane_logprobs().get(i))
         except Exception as exc:
-            return [finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lives]
-        return [apply(lv, (tokens[lane], finite[lane]), prev.positions[lane] + 1, logprobs.get(lane))
-                for lane, lv in lives]
+            outputs = [finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lanes]
+            if between is not None:
+                between()
+            return outputs
+
+        def one(lane: int, live: LiveRequest) -> RequestOutput:
+            token, lp = grammar[lane] if lane in grammar else ((tokens[lane], finite[lane]), logprobs.get(lane))
+            return apply(live, token, prev.positions[lane] + 1, lp)
+        outputs = [one(lane, lv) for lane, lv in lanes if lane in grammar]
+        if between is not None:
+            between()
+        return outputs + [one(lane, lv) for lane, lv in lanes if lane not in grammar]

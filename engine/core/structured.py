@@ -17,8 +17,8 @@ their pick and logprobs (runner/sampler.py `asking_picks`, runner/token_mask.py)
 can go no further ends its request (finish reason stop). Steps launched ahead (core/ahead.py)
 keep running with grammar rows: a row's next mask needs the token the step before produced, so
 that step is applied and the masks filled (on a thread of their own, `fill_masks_async`, while
-the engine thread applies the step's other rows) while the device runs the next forward, and the
-picks are queued behind it.
+the engine thread applies the step's other rows) while the device runs the next forward; a row
+whose mask is late sits a step out rather than hold the others.
 """
 
 from __future__ import annotations

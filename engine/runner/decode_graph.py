@@ -133,6 +133,10 @@ class GreedyFetch:
         self.host, self.done = host, done  # host: [2, n], the copy's destination
         self.logprobs = logprobs  # (a `logprobs_pack` copied behind the tokens, its lanes, their k)
 
+    def ready(self) -> bool:
+        """Whether the copy has landed, without waiting (on the CPU, when it was made)."""
+        return self.done is None or self.done.query()
+
     def result(self) -> tuple[list[int], list[bool]]:
         if self.done is not None:
             self.done.synchronize()
@@ -242,6 +246,25 @@ class GraphDecoder:
         if done is not None:
             done.record()
         return GreedyFetch(self._fetch_np[t][: 2 * n].reshape(2, n), done, logprobs)
+
+    def fetch_apart(self, tokens: torch.Tensor, logprobs=None) -> GreedyFetch:
+        """`fetch` of picks made apart from a step's own (a grammar row's, [2, r]), into a host
+        buffer of their own: the step's double buffer is left to the steps."""
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            pack = torch.empty(logprobs[0].shape, dtype=logprobs[0].dtype, pin_memory=cuda)
+            pack.copy_(logprobs[0], non_blocking=True)
+            logprobs = (pack, *logprobs[1:])
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        return GreedyFetch(host.numpy(), done, logprobs)
+
+    def feed(self, lanes: list[int], tokens: torch.Tensor) -> None:
+        """`tokens` [len(lanes)] into those lanes of `last`, for the step launched next."""
+        self.last.index_copy_(0, to_device(lanes, torch.long, self.last.device), tokens)
 
     def feed_next(self, tokens: torch.Tensor) -> None:
         """The tokens [n] lanes 0..n-1 of the last step produced, where they are not its greedy

@@ -4,6 +4,7 @@ static (CUDA graph) path of decode_graph.py."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -17,7 +18,7 @@ from engine.kernels import launch
 from engine.kv.rows import RowPool
 from engine.core.structured import TokenMasks
 from engine.core.types import SamplingParams, StepLogits
-from engine.runner.token_mask import fast_greedy, masked_greedy_
+from engine.runner.token_mask import fast_greedy, masked_greedy
 from engine.runner.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -92,29 +93,45 @@ class ModelRunner:
 
     def fetch_picks(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
                     generators: list[torch.Generator], states: list | None = None,
-                    masks: TokenMasks | None = None) -> GreedyFetch:
+                    skip: Collection[int] = ()) -> GreedyFetch:
         """A static step's tokens on their way to the host, and left on the device for the step
         launched next: its greedy tokens [2, n] (token, finite), with the pick of each row that
-        asks for more (sampling with its own generator, penalties, logprobs, a grammar's mask in
-        `masks`, whose rows are lanes: `asking_picks`) in its lane, and those rows' logprobs."""
-        asking = [j for j, p in enumerate(params) if not p.plain]
+        asks for more (sampling with its own generator, penalties, logprobs: `asking_picks`) in
+        its lane, and those rows' logprobs. Lanes in `skip` (grammar rows, `pick_masked`) keep
+        their greedy tokens here and are picked apart."""
+        asking = [j for j, p in enumerate(params) if not p.plain and j not in skip]
         picks, logprobs = greedy, None
-        if masks is not None and masks.rows == asking and fast_greedy(logits.device) and logits.stride(1) == 1 \
-                and all(params[j].greedy and params[j].logprobs is None and not params[j].processed for j in asking):
-            picks = greedy.clone()  # greedy rows under grammars only (JSON mode): one kernel
-            masked_greedy_(picks, logits, masks.rows, masks.bitmask)
-            self.decoder.feed_next(picks[0])
-        elif asking:
+        if asking:
             states = states or [None] * len(params)
-            if masks is not None:  # the masks' rows, as indices into `asking` (both ascending)
-                at = {j: i for i, j in enumerate(asking)}
-                masks = TokenMasks([at[j] for j in masks.rows], masks.bitmask)
             idx = to_device(asking, torch.long, logits.device)
             got = asking_picks(logits.index_select(0, idx), [params[j] for j in asking],
-                               [generators[j] for j in asking], [states[j] for j in asking], masks)
+                               [generators[j] for j in asking], [states[j] for j in asking])
             picks = greedy.clone()
             picks[:, idx] = got.tokens
             self.decoder.feed_next(picks[0])
             if got.logprobs is not None:
                 logprobs = (got.logprobs, [asking[i] for i in got.logprob_rows], got.logprob_ks)
         return self.decoder.fetch(picks, logprobs)
+
+    def pick_masked(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                    generators: list[torch.Generator], states: list, bitmask: torch.Tensor,
+                    lanes: list[int] | None = None) -> GreedyFetch:
+        """Rows `rows` of `logits` picked under their grammars' masks (`bitmask[i]` for row
+        `rows[i]`, sampled with `params[i]`, `generators[i]`, `states[i]`), on their way to the
+        host as [2, r] (with their logprobs, lane i meaning `rows[i]`). `lanes`: the static step's
+        lanes the picks go to on the device, for the step launched next. Greedy rows with nothing
+        else asked (JSON mode) take one kernel (`masked_greedy`)."""
+        dev = logits.device
+        logprobs = None
+        if fast_greedy(dev) and logits.stride(1) == 1 and all(
+                p.greedy and p.logprobs is None and not p.processed for p in params):
+            picks = masked_greedy(logits, rows, bitmask)
+        else:
+            got = asking_picks(logits.index_select(0, to_device(rows, torch.long, dev)), params, generators, states,
+                               TokenMasks(list(range(len(rows))), bitmask))
+            picks = got.tokens
+            if got.logprobs is not None:
+                logprobs = (got.logprobs, got.logprob_rows, got.logprob_ks)
+        if lanes is not None:
+            self.decoder.feed(lanes, picks[0])
+        return self.decoder.fetch_apart(picks, logprobs)

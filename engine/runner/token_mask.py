@@ -39,8 +39,8 @@ if triton is not None:
     def _masked_argmax_kernel(logits, packed, out, vocab, logits_stride, packed_stride, out_stride,
                               BLOCK: tl.constexpr):
         r = tl.program_id(0)
-        row = packed + r * packed_stride  # [lane, bits...]
-        lane = tl.load(row).to(tl.int64)
+        row = packed + r * packed_stride  # [logits row, bits...]
+        src = tl.load(row).to(tl.int64)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int64)
         nan = tl.full((), 0, tl.int32)
@@ -48,7 +48,7 @@ if triton is not None:
             t = start + tl.arange(0, BLOCK)
             word = tl.load(row + 1 + t // 32, mask=t < vocab, other=0)
             allowed = (((word >> (t % 32)) & 1) == 1) & (t < vocab)
-            x = tl.load(logits + lane * logits_stride + t, mask=allowed, other=float("-inf")).to(tl.float32)
+            x = tl.load(logits + src * logits_stride + t, mask=allowed, other=float("-inf")).to(tl.float32)
             nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), 0))
             x = tl.where(x != x, float("-inf"), x)
             m = tl.max(x, 0)
@@ -56,25 +56,26 @@ if triton is not None:
             best_i = tl.where(m > best, start + i, best_i)
             best = tl.maximum(best, m)
         finite = (best > float("-inf")) & (best < float("inf")) & (nan == 0)
-        tl.store(out + lane, best_i)
-        tl.store(out + out_stride + lane, finite.to(tl.int64))
+        tl.store(out + r, best_i)
+        tl.store(out + out_stride + r, finite.to(tl.int64))
 
 
 def fast_greedy(device: torch.device) -> bool:
-    """Whether `masked_greedy_` runs as one kernel on `device` (else the sampler's own path)."""
+    """Whether `masked_greedy` runs as one kernel on `device` (else the sampler's own path)."""
     return device.type == "cuda" and triton is not None
 
 
-def masked_greedy_(picks: torch.Tensor, logits: torch.Tensor, lanes: list[int], bitmask: torch.Tensor) -> None:
-    """Greedy picks of the lanes `lanes` of `logits` [n, vocab] under their masks (`bitmask[i]`
-    for lane `lanes[i]`, int32 on the host), written into `picks` [2, n] int64 (token, 1 where
-    its logit is finite: an all-banned row, or a NaN among its allowed logits, gives 0), in one
-    kernel; other lanes are left as they are. The same tokens as `apply_bitmask_` then
-    `greedy_tokens` (the first of equal maxima)."""
-    packed = torch.cat([torch.tensor(lanes, dtype=torch.int32)[:, None], bitmask], 1).pin_memory()
+def masked_greedy(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Greedy picks of rows `rows` of `logits` [n, vocab] under their masks (`bitmask[i]` for
+    row `rows[i]`, int32 on the host), in one kernel: [2, len(rows)] int64 (token, 1 where its
+    logit is finite: an all-banned row, or a NaN among its allowed logits, gives 0). The same
+    tokens as `apply_bitmask_` then `greedy_tokens` (the first of equal maxima)."""
+    packed = torch.cat([torch.tensor(rows, dtype=torch.int32)[:, None], bitmask], 1).pin_memory()
     packed = packed.to(logits.device, non_blocking=True)
-    _masked_argmax_kernel[(len(lanes),)](logits, packed, picks, logits.shape[1], logits.stride(0),
-                                         packed.stride(0), picks.stride(0), BLOCK=BLOCK)
+    picks = torch.empty((2, len(rows)), dtype=torch.long, device=logits.device)
+    _masked_argmax_kernel[(len(rows),)](logits, packed, picks, logits.shape[1], logits.stride(0),
+                                        packed.stride(0), picks.stride(0), BLOCK=BLOCK)
+    return picks
 
 
 def apply_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ penalties and logprobs, and with n > 1 (each choice's matcher forked)."""
 
 import json
 import math
+import time
 from collections import defaultdict
 from dataclasses import replace
 
@@ -74,13 +75,27 @@ def test_grammar_row_leaves_free_rows_unchanged(tiny, layout):
         assert ended.pop().finish_reason.value == "stop" and len(crowd["g"]) < 40
 
 
-@pytest.mark.parametrize("policy", ["s5", "native"])
-def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy):
+@pytest.mark.parametrize("policy,late", [("s5", False), ("native", False), ("s5", True)])
+def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy, late, monkeypatch):
     """Grammar rows (greedy, sampled, with penalties and logprobs; stateless and on sessions)
     beside free rows keep steps launched ahead: nearly every step while they decode has one in
     flight with a grammar row in it. Every request's tokens, logprobs and finish reason equal the
     plain order's, and a session whose grammar ended a step before the host knew has its extra
-    step undone: its row equals the plain order's."""
+    step undone: its row equals the plain order's. `late`: the grammar engine is slower than the
+    device (each mask takes 10 ms, and the device counts as done with every forward at once), so
+    grammar rows sit steps out while the others go on, and come back: the same tokens again."""
+    if late:
+        from engine.core.ahead import AheadSteps
+        from engine.core.structured import Grammars
+
+        monkeypatch.setattr(AheadSteps, "_device_idle", staticmethod(lambda fetch: True))
+        fill = Grammars.step_masks
+
+        def slow(self, grammars, skip):
+            time.sleep(0.01)
+            return fill(self, grammars, skip)
+        monkeypatch.setattr(Grammars, "step_masks", slow)
+
     def make(overlap):
         return Engine(EngineConfig(model="tiny-random", max_rows=8, kv_cache_bytes=1 << 24, kv_policy=policy,
                                    kv_sink=2, kv_window=5, decode_graphs=True, overlap_steps=overlap), tiny)
@@ -105,7 +120,7 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy):
         sids = [engine.create_session(), engine.create_session()]
         for r in requests(sids):
             engine.add_request(r)
-        got, ahead_with_grammar = defaultdict(lambda: [[], [], None]), 0
+        got, ahead_with_grammar, sat_out = defaultdict(lambda: [[], [], None]), 0, 0
         while engine.has_work():
             for o in engine.step():
                 assert o.error is None, o.error
@@ -115,12 +130,15 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy):
                     got[o.request_id][2] = o.finish_reason
             pending = engine.ahead.pending if engine.ahead is not None else None
             ahead_with_grammar += pending is not None and any(lv.grammar is not None for lv in pending.lives)
+            sat_out += pending is not None and bool(engine.ahead.late)
             engine.check_invariants()
-        runs[overlap] = (dict(got), [engine.pool.contents(engine.sessions[s].row) for s in sids], ahead_with_grammar)
-    (plain, plain_rows, _), (ahead, ahead_rows, launched) = runs[False], runs[True]
+        runs[overlap] = (dict(got), [engine.pool.contents(engine.sessions[s].row) for s in sids],
+                         ahead_with_grammar, sat_out)
+    (plain, plain_rows, _, _), (ahead, ahead_rows, launched, sat_out) = runs[False], runs[True]
     assert ahead == plain
     assert all(plain[g][2].value == "stop" and len(plain[g][0]) < 40 for g in ("g0", "g1", "g2"))
-    assert launched >= 8  # the grammar rows ran on steps launched ahead
+    assert launched >= (2 if late else 8)  # the grammar rows ran on steps launched ahead
+    assert (sat_out >= 4) if late else (sat_out == 0)  # and, with a slow grammar engine, sat steps out
     for a, b in zip(plain_rows, ahead_rows):
         assert a[:2] == b[:2]  # length and ring positions
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a[2] + a[3], b[2] + b[3]))

@@ -4,6 +4,7 @@ CPU tests use, and the same tokens as steps applied in order."""
 
 import json
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -121,15 +122,16 @@ def test_cuda_grammar_rows_inside_graphs_leave_free_rows_unchanged():
 
 def test_cuda_greedy_grammar_rows_take_the_one_kernel_pick(monkeypatch):
     """Greedy grammar rows beside greedy free rows (JSON mode) are picked by the one-kernel masked
-    argmax in steps launched ahead; every row's tokens equal those of steps applied in order."""
+    argmax in steps launched ahead; every row's tokens equal those of steps applied in order,
+    and equal again where the grammar engine is slow and the grammar rows sit steps out."""
     from llguidance import LLMatcher
 
     from engine.runner import model_runner
     from service.structured import JSON_OPTIONS
 
     calls = []
-    kernel = model_runner.masked_greedy_
-    monkeypatch.setattr(model_runner, "masked_greedy_", lambda *a: calls.append(1) or kernel(*a))
+    kernel = model_runner.masked_greedy
+    monkeypatch.setattr(model_runner, "masked_greedy", lambda *a: calls.append(1) or kernel(*a))
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
               "required": ["name", "ok"], "additionalProperties": False}
     grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
@@ -141,6 +143,16 @@ def test_cuda_greedy_grammar_rows_take_the_one_kernel_pick(monkeypatch):
     assert calls
     plain, _ = run(cuda_engine(overlap=False, tokenizer=tok), [replace(r) for r in batch])
     assert plain == got
+    from engine.core.ahead import AheadSteps
+    from engine.core.structured import Grammars
+
+    fill = Grammars.step_masks
+    monkeypatch.setattr(Grammars, "step_masks", lambda self, *a: time.sleep(0.005) or fill(self, *a))
+    late = []
+    settle = AheadSteps._advance_late
+    monkeypatch.setattr(AheadSteps, "_advance_late", lambda self, *a, **k: late.append(len(self.late)) or settle(self, *a, **k))
+    slow, _ = run(cuda_engine(overlap=True, tokenizer=tok), [replace(r) for r in batch])
+    assert slow == plain and max(late) > 0
     for g in ("g", "h"):
         assert set(json.loads(tok.decode(got[g], skip_special_tokens=True))) == {"name", "ok"}
 
@@ -148,33 +160,30 @@ def test_cuda_greedy_grammar_rows_take_the_one_kernel_pick(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_masked_greedy_kernel_equals_mask_then_argmax(dtype):
     """The one-kernel masked argmax against the mask then torch's argmax: the first of equal
-    maxima, an all-banned lane and a lane with an allowed NaN flagged not finite, other lanes
-    untouched."""
+    maxima, an all-banned row and a row with an allowed NaN flagged not finite."""
     from engine.runner.sampler import greedy_tokens
-    from engine.runner.token_mask import apply_bitmask_, masked_greedy_
+    from engine.runner.token_mask import apply_bitmask_, masked_greedy
 
     vocab, n = 262_144 + 7, 6
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(n, vocab, generator=g).to(dtype)
     bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
-    lanes = [4, 1, 3, 0]
-    bitmask[2] = 0  # lane 3: everything banned
+    rows = [4, 1, 3, 0]
+    bitmask[2] = 0  # row 3: everything banned
     bitmask[0, 5000 // 32] |= 1 << (5000 % 32)
     bitmask[0, 9000 // 32] |= 1 << (9000 % 32)
-    logits[4, 5000] = logits[4, 9000] = 50.0  # a tie on lane 4: the first wins
+    logits[4, 5000] = logits[4, 9000] = 50.0  # a tie on row 4: the first wins
     bitmask[3, 700 // 32] |= 1 << (700 % 32)
-    logits[0, 700] = float("nan")  # lane 0: an allowed NaN
+    logits[0, 700] = float("nan")  # row 0: an allowed NaN
     x = logits.float().clone()
-    apply_bitmask_(x, lanes, bitmask)
+    apply_bitmask_(x, rows, bitmask)
     want = greedy_tokens(x)
-    picks = torch.full((2, n), -7, dtype=torch.long, device="cuda")
-    masked_greedy_(picks, logits.cuda(), lanes, bitmask)
-    got = picks.cpu()
-    assert got[0, 4] == 5000 and got[1, 4] == 1
+    got = masked_greedy(logits.cuda(), rows, bitmask).cpu()
+    assert got.shape == (2, 4)
+    assert got[0, 0] == 5000 and got[1, 0] == 1
     assert got[0, 1] == want[0, 1] and got[1, 1] == 1
-    assert got[1, 3] == 0 and want[1, 3] == 0
-    assert got[1, 0] == 0 and want[1, 0] == 0
-    assert (got[:, [2, 5]] == -7).all()
+    assert got[1, 2] == 0 and want[1, 3] == 0
+    assert got[1, 3] == 0 and want[1, 0] == 0
 
 
 def test_cuda_bitmask_equals_the_cpus():
@@ -199,7 +208,6 @@ def test_cuda_asking_picks_never_wait_for_the_device():
     """The picks of a step launched ahead (sampling with top-k and top-p, penalties, logprobs, a
     grammar's mask) queue behind the forward without a host sync: under torch's sync debug mode
     set to error, a synchronizing call (a pageable copy to the device, an .item()) would raise."""
-    from engine.core.structured import TokenMasks
     from engine.runner.logits_process import RowLogitsState
 
     engine = cuda_engine(overlap=True)
@@ -218,8 +226,11 @@ def test_cuda_asking_picks_never_wait_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fetch = engine.runner.fetch_picks(logits, greedy, params, generators, states, TokenMasks([1], bits))
+        fetch = engine.runner.fetch_picks(logits, greedy, params, generators, states, skip={1})
+        masked = engine.runner.pick_masked(logits, [1], [params[1]], [generators[1]], [states[1]], bits, lanes=[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     tokens, finite = fetch.result()
-    assert all(finite) and tokens[1] in (65, 66) and tokens[2] == int(greedy[0, 2])
+    assert all(finite) and tokens[2] == int(greedy[0, 2])
+    (token,), (ok,) = masked.result()
+    assert ok and token in (65, 66) and int(engine.runner.decoder.last[1]) == token
