@@ -29,6 +29,8 @@ call only, so nothing here refers back to the engine).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -51,6 +53,11 @@ Apply = Callable[[LiveRequest, tuple[int, bool], int, TokenLogprobs | None], Req
 Finish = Callable[..., RequestOutput]
 
 
+# the host's work between giving up on a late mask and the next step's launch, which the device
+# would otherwise wait for (the picks of the rows whose masks are ready, the launch itself)
+LAUNCH_MARGIN_S = 0.3e-3
+
+
 class Pending(NamedTuple):
     """A static decode step launched and not yet applied."""
 
@@ -59,6 +66,7 @@ class Pending(NamedTuple):
     logits: torch.Tensor  # [lanes, vocab]: valid until the next step is launched
     fetch: GreedyFetch  # its tokens on their way to the host (but the grammar lanes')
     masks: dict[int, Future]  # grammar lane -> its mask for this step's pick, filling
+    launched: float  # when it was launched (host clock)
 
 
 @dataclass
@@ -84,6 +92,10 @@ class AheadSteps:
         self.grammars = grammars  # the engine's: grammar rows' masks, filled on its thread
         self.pending: Pending | None = None  # a static decode step launched, not yet applied
         self.late: list[Late] = []  # grammar rows sitting out; only while a step is pending
+        # how long a step takes from its launch to its tokens on the host, where the host waited
+        # for them (a running mean): a late mask is given up that long after the launch, less the
+        # host's work before the next launch, so that the device does not wait for that work
+        self.step_s = 0.0
 
     def launch(self, plan: SchedulerOutput, lives: list[LiveRequest], inputs: list[RunnerInput],
                out: StepLogits) -> bool:
@@ -99,7 +111,7 @@ class AheadSteps:
             return False
         positions = [i.chunk.start for i in inputs]
         self._mark(lives, positions)
-        self.pending = Pending(lives, positions, logits, fetch, self._fill(lives))
+        self.pending = Pending(lives, positions, logits, fetch, self._fill(lives), time.perf_counter())
         return True
 
     def _fetch(self, lives: list[LiveRequest], logits: torch.Tensor, greedy: torch.Tensor) -> GreedyFetch:
@@ -125,10 +137,15 @@ class AheadSteps:
         return self.live.get(live.request_id) is live
 
     @staticmethod
+    def _behind(fetch: GreedyFetch) -> bool:
+        """Whether a device runs the step `fetch` follows behind the host (not on the CPU: there
+        a grammar row's mask is always waited for)."""
+        return fetch.done is not None
+
+    @staticmethod
     def _device_idle(fetch: GreedyFetch) -> bool:
-        """Whether the device has finished the step `fetch` follows (False where nothing runs
-        behind the host: there a grammar row's mask is always waited for)."""
-        return fetch.done is not None and fetch.ready()
+        """Whether the device has finished the step `fetch` follows."""
+        return fetch.ready()
 
     def _continues(self, prev: Pending, hooked: bool) -> bool:
         """Whether the next step can be launched ahead: every running request decodes, in the
@@ -166,6 +183,7 @@ class AheadSteps:
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += len(inputs)
         try:
+            launched = time.perf_counter()
             logits, _, greedy = self.runner.run(inputs, [lane for lane, _ in chained] + [-1] * len(rejoin))
         except Exception as exc:  # the forward failed: its rows end once the pending step is applied
             outputs += self._apply(prev, apply, finish, picked)
@@ -179,7 +197,7 @@ class AheadSteps:
             masks.update(self._fill(lives))
         outputs += self._apply(prev, apply, finish, picked, fill)
         try:
-            self.pending = Pending(lives, positions, logits, self._fetch(lives, logits, greedy), masks)
+            self.pending = Pending(lives, positions, logits, self._fetch(lives, logits, greedy), masks, launched)
         except Exception as exc:
             outputs += [finish(lv, FinishReason.ERROR, error=f"sampling failed: {exc}") for lv in lives if self._is_live(lv)]
         if self.pending is not None and not any(self._is_live(lv) for lv in self.pending.lives):
@@ -196,10 +214,12 @@ class AheadSteps:
         whose mask is not ready by then sits out (`self.late`). A row whose grammar failed ends."""
         lanes = [lane for lane in prev.masks if self._is_live(prev.lives[lane])]
         futures = [prev.masks[lane] for lane in lanes]
-        if wait:
+        if wait or not self._behind(prev.fetch):
             futures_wait(futures)
-        else:
-            while not all(f.done() for f in futures) and not self._device_idle(prev.fetch):
+        else:  # a device runs behind the host: wait while it is busy
+            give_up = prev.launched + self.step_s - LAUNCH_MARGIN_S if self.step_s else math.inf
+            while not all(f.done() for f in futures) and not self._device_idle(prev.fetch) \
+                    and time.perf_counter() < give_up:
                 futures_wait(futures, timeout=50e-6)
         outputs, ready, bits = [], [], []
         for lane in lanes:
@@ -275,7 +295,11 @@ class AheadSteps:
         lanes = [(lane, lv) for lane, lv in enumerate(prev.lives)
                  if self._is_live(lv) and (lv.grammar is None or lane in picked)]
         try:
+            waits = prev.fetch.done is not None and not prev.fetch.ready()
             tokens, finite = prev.fetch.result()
+            if waits:  # the tokens landed just now: the step took this long
+                took = time.perf_counter() - prev.launched
+                self.step_s = took if not self.step_s else 0.9 * self.step_s + 0.1 * took
             logprobs = prev.fetch.lane_logprobs()
             grammar = {}
             for lane, (fetch, i) in picked.items():

@@ -88,6 +88,7 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy, late,
         from engine.core.ahead import AheadSteps
         from engine.core.structured import Grammars
 
+        monkeypatch.setattr(AheadSteps, "_behind", staticmethod(lambda fetch: True))
         monkeypatch.setattr(AheadSteps, "_device_idle", staticmethod(lambda fetch: True))
         fill = Grammars.step_masks
 
