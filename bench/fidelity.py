@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench import recall
-from bench.fidelity_core import SCORED, Scorer, corpus_docs
+from bench.fidelity_core import SCORED, Scorer, corpus_docs, profile_and_heldout
 from engine import EngineConfig
 from engine.kv.windows import WindowProfile, profile_path, solve_windows
 from engine.model.hf_adapter import geometry
@@ -70,7 +70,7 @@ def perplexities(a) -> dict:
     """Native, uniform windows (both regimes), per-layer sensitivity, and the allocations solved
     from it for each budget (both regimes). Writes the profile and the results as they come."""
     model, tok = scorer_model(a)
-    scorer = Scorer(model, corpus_docs(tok, recall.corpus_text(), a.docs), sink=a.sink)
+    scorer = Scorer(model, profile_and_heldout(tok, recall.corpus_text(), a.docs, a.heldout)[0], sink=a.sink)
     types = scorer.layer_types
     g = geometry(model)
     t0 = time.perf_counter()
@@ -86,20 +86,24 @@ def perplexities(a) -> dict:
     # decode regime first (it decides the allocation), then the prefill regime of every setting
     res["native"] = {"decode": scorer.ppl(bounded_windows(types, None))}
     note(f"native decode: {res['native']['decode']:.3f}")
-    first = [w for w in a.windows if w >= min(a.sens_windows)]  # what the allocation may choose
+    first = [w for w in a.windows if w >= min(a.sens_windows) or w == a.base_window]  # what the allocation may choose
     for w in first:
         res["uniform"][w] = {"decode": scorer.ppl(bounded_windows(types, w))}
         note(f"s5 window {w} decode: {res['uniform'][w]['decode']:.3f}")
+    base = bounded_windows(types, a.base_window)  # the other layers' windows while one changes
+    res["base_window"] = a.base_window
+    around = f"the others at {a.base_window}" if a.base_window else "the others exact"
     for w in a.sens_windows:
         for i in scorer.sliding_layers():
-            windows = [None] * len(types)
-            windows[i] = w
+            windows = list(base)
+            windows[i] = w if w < g.native_window else None
             res["sensitivity"].setdefault(i, {})[w] = scorer.ppl(windows)
-            note(f"  layer {i:>2} alone at window {w}: {res['sensitivity'][i][w]:.3f}")
+            note(f"  layer {i:>2} at window {w}, {around}: {res['sensitivity'][i][w]:.3f}")
     profile = WindowProfile(model=a.model, weights=a.quant or "float32", sink=a.sink, native_window=g.native_window,
                             native_ppl=res["native"]["decode"], layer_ppl=res["sensitivity"],
                             uniform_ppl={w: r["decode"] for w, r in res["uniform"].items()},
-                            scored_tokens=res["scored_tokens"])
+                            scored_tokens=res["scored_tokens"], base_window=a.base_window,
+                            base_ppl=res["uniform"][a.base_window]["decode"] if a.base_window else None)
     for path in (profile_path(model_dir(a)), Path(a.out) / f"fidelity-profile-{a.tag}.json"):
         profile.save(path)
         print(f"wrote {path}")
@@ -139,7 +143,7 @@ def heldout(a) -> dict:
     allocation is chosen on the profile's document, so it is judged on others."""
     ppl = json.loads((Path(a.out) / f"fidelity-ppl-{a.tag}.json").read_text())
     model, tok = scorer_model(a)
-    docs = corpus_docs(tok, recall.corpus_text(), a.heldout + ppl["docs"])[ppl["docs"]:]
+    docs = profile_and_heldout(tok, recall.corpus_text(), ppl["docs"], a.heldout)[1]
     scorer = Scorer(model, docs, sink=a.sink)
     types = scorer.layer_types
     settings = {"native": None, **({} if a.skip_uniform else {f"s5-w{w}": int(w) for w in a.windows}),
@@ -192,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl", action="store_true", help="perplexities, sensitivity, profile, allocations")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sens-windows", type=int, nargs="+", default=[64],
-                    help="windows at which each sliding layer alone is bounded (the profile scales "
-                         "other windows by the curve of every layer bounded together)")
+                    help="windows at which each sliding layer alone is bounded (the native window: "
+                         "exact; around the exact model the profile scales other windows by the "
+                         "curve of every layer bounded together)")
+    ap.add_argument("--base-window", type=int, default=None,
+                    help="measure each layer's windows with every other sliding layer at this window "
+                         "(default: exact), the operating point the allocation is made around")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1 / 2, 1 / 3, 1 / 4],
                     help="per-layer allocations within these fractions of native's sliding-layer bytes")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill regime")

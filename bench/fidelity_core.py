@@ -170,6 +170,15 @@ def corpus_docs(tokenizer, text: str, n: int) -> list[torch.Tensor]:
     return [torch.tensor([[tokenizer.bos_token_id] + ids[s : s + length - 1]]) for s in starts]
 
 
+def profile_and_heldout(tokenizer, text: str, profile: int, heldout: int) -> tuple[list, list]:
+    """`profile + heldout` documents spread over the corpus, dealt into two disjoint sets that
+    interleave (a window allocation is chosen on the first and judged on the second)."""
+    docs = corpus_docs(tokenizer, text, profile + heldout)
+    total = profile + heldout
+    mine = [(i * profile) % total < profile for i in range(total)]
+    return [d for d, m in zip(docs, mine) if m], [d for d, m in zip(docs, mine) if not m]
+
+
 class DecodeKV:
     """A prompt's exact K/V per layer, plus the tokens decoded after it under one setting."""
 

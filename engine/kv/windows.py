@@ -2,14 +2,17 @@
 budget across its sliding layers.
 
 Sliding layers are not equally sensitive to how many recent positions their row keeps between
-forwards. A *window profile* records, per sliding layer, the model's perplexity when only that layer is
-bounded to sink + window (at one or more windows), and the perplexity with every sliding layer
-bounded to each window (measured once per model by
-`python -m bench.fidelity --sensitivity`, stored beside the converted model as
-`kv-windows.json`). `solve_windows` then picks one window per sliding layer that minimises the
-summed perplexity increase within a budget of resident bytes per session: a multiple-choice
-knapsack, solved exactly by dynamic programming. The restored-S5 rule is the same for every
-window; only how many positions each bounded layer keeps differs.
+forwards. A *window profile* records, per sliding layer, the model's perplexity with that layer's
+window changed alone, at one or more windows, and the perplexity with every sliding layer bounded
+to each window (measured once per model by `python -m bench.fidelity --ppl`, stored beside the
+converted model as `kv-windows.json`). "Alone" is around an operating point: every other layer
+exact (`base_window` None), or every other layer bounded to `base_window`, where the layers'
+effects are measured where an allocation will use them (they do not add up from the exact model:
+each layer cut alone costs more, summed, than all of them cut together). `solve_windows` then
+picks one window per sliding layer that minimises the summed change of log perplexity within a
+budget of resident bytes per session: a multiple-choice knapsack, solved exactly by dynamic
+programming. The restored-S5 rule is the same for every window; only how many positions each
+bounded layer keeps differs.
 """
 
 from __future__ import annotations
@@ -31,14 +34,22 @@ class WindowProfile:
     sink: int
     native_window: int
     native_ppl: float
-    layer_ppl: dict[int, dict[int, float]]  # sliding layer -> window -> perplexity, that layer alone bounded
+    layer_ppl: dict[int, dict[int, float]]  # sliding layer -> window -> perplexity, that layer's window alone changed
     uniform_ppl: dict[int, float]  # window -> perplexity, every sliding layer bounded to it
     scored_tokens: int
+    base_window: int | None = None  # the other layers' window in `layer_ppl` (None: exact)
+    base_ppl: float | None = None  # every sliding layer at `base_window`
 
     def cost(self) -> dict[int, dict[int, float]]:
-        """Per layer and window of `uniform_ppl`, the increase of log perplexity over native: the
-        measured one where the profile has it, else the layer's share of the increase at its
-        measured windows times the increase of every layer bounded together at that window."""
+        """Per layer and window, the change of log perplexity it brings. Around a base window: as
+        measured (the base window itself 0; the native window may be measured too). Around the
+        exact model: per window of `uniform_ppl`, the measured increase where the profile has it,
+        else the layer's share of the increase at its measured windows times the increase of
+        every layer bounded together at that window (never below 0)."""
+        if self.base_window is not None:
+            ref = math.log(self.base_ppl)
+            return {i: {self.base_window: 0.0, **{w: math.log(p) - ref for w, p in ws.items()}}
+                    for i, ws in self.layer_ppl.items()}
         base = math.log(self.native_ppl)
         up = {w: max(1e-9, math.log(p) - base) for w, p in self.uniform_ppl.items()}
         total = {w: sum(max(0.0, math.log(self.layer_ppl[i][w]) - base) for i in self.layer_ppl) or 1e-9
@@ -47,7 +58,7 @@ class WindowProfile:
         for i, ws in self.layer_ppl.items():
             shares = [max(0.0, math.log(ws[w]) - base) / total[w] for w in total]
             share = sum(shares) / len(shares) if shares else 0.0
-            out[i] = {w: (math.log(ws[w]) - base if w in ws else share * up[w]) for w in up}
+            out[i] = {w: max(0.0, math.log(ws[w]) - base if w in ws else share * up[w]) for w in up}
         return out
 
     def save(self, path: Path) -> None:
@@ -76,8 +87,9 @@ def find_profile(model_dir: Path | None, name: str) -> WindowProfile | None:
 def solve_windows(cost: dict[int, dict[int, float]], position_bytes: dict[int, int], sink: int,
                   native_window: int, budget_bytes: int) -> dict[int, int] | None:
     """Per sliding layer, the window (one of the profile's, or the native window, which costs
-    nothing) minimising the summed cost with sum((sink + window) * position_bytes) within
-    `budget_bytes`. Returns {layer: window}, or None when the smallest windows do not fit."""
+    what the profile says, else nothing) minimising the summed cost with sum((sink + window) *
+    position_bytes) within `budget_bytes`. Returns {layer: window}, or None when the smallest
+    windows do not fit."""
     layers = sorted(cost)
     options = {i: sorted({*(w for w in cost[i] if w < native_window), native_window}) for i in layers}
     unit = math.gcd(*[position_bytes[i] for i in layers]) if layers else 1
@@ -88,7 +100,7 @@ def solve_windows(cost: dict[int, dict[int, float]], position_bytes: dict[int, i
         for used, (c, ws) in best.items():
             for w in options[i]:
                 u = used + (sink + w) * position_bytes[i] // unit
-                cw = c + (0.0 if w >= native_window else max(0.0, cost[i][w]))
+                cw = c + cost[i].get(w, 0.0)
                 if u <= units and (u not in nxt or cw < nxt[u][0]):
                     nxt[u] = (cw, (*ws, w))
         best, floor = {}, math.inf  # drop states that cost more than one using fewer bytes

@@ -4,6 +4,7 @@ sizes (snapshots and swaps included), and the policy the engine reports."""
 
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -18,27 +19,43 @@ TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # the 
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_solver_is_exact(seed):
+@pytest.mark.parametrize("centered", [False, True])
+def test_solver_is_exact(seed, centered):
+    """Costs from the exact model (>= 0, the native window free), or around a base window (the
+    base 0, smaller windows mostly dearer, larger ones and the native window cheaper)."""
     rng = random.Random(seed)
     layers = [0, 1, 3, 4]
     windows = [2, 4, 8]
     cost = {i: {w: rng.random() / w for w in windows} for i in layers}
+    if centered:
+        cost = {i: {2: rng.random(), 4: 0.0, 8: -rng.random() / 2, 16: -rng.random()} for i in layers}
     pbytes = {i: rng.choice([64, 128]) for i in layers}
     sink, native = 1, 16
     for budget in [0, 200, 1200, 2500, 5000, 100_000]:
         best = None
         for combo in itertools.product([*windows, native], repeat=len(layers)):
             used = sum((sink + w) * pbytes[i] for i, w in zip(layers, combo))
-            c = sum(0.0 if w == native else cost[i][w] for i, w in zip(layers, combo))
+            c = sum(cost[i].get(w, 0.0) for i, w in zip(layers, combo))
             if used <= budget and (best is None or c < best[0] - 1e-12):
                 best = (c, combo)
         got = solve_windows(cost, pbytes, sink, native, budget)
         if best is None:
             assert got is None
             continue
-        got_cost = sum(0.0 if got[i] == native else cost[i][got[i]] for i in layers)
+        got_cost = sum(cost[i].get(got[i], 0.0) for i in layers)
         assert sum((sink + got[i]) * pbytes[i] for i in layers) <= budget
         assert got_cost == pytest.approx(best[0])
+
+
+def test_a_profile_around_a_base_window_costs_what_it_measured():
+    p = WindowProfile(model="tiny", weights="float32", sink=2, native_window=16, native_ppl=10.0,
+                      layer_ppl={0: {2: 12.0, 16: 10.5}, 3: {2: 11.5, 16: 10.9}}, uniform_ppl={4: 11.0},
+                      scored_tokens=10, base_window=4, base_ppl=11.0)
+    cost = p.cost()
+    assert cost[0][4] == cost[3][4] == 0.0
+    assert cost[0][2] == pytest.approx(math.log(12 / 11)) and cost[0][16] == pytest.approx(math.log(10.5 / 11))
+    # room for one layer at the native window: the one it helps most
+    assert solve_windows(cost, {0: 1, 3: 1}, 2, 16, (2 + 16) + (2 + 4)) == {0: 16, 3: 4}
 
 
 def _profile(tmp_path) -> WindowProfile:
