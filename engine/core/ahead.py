@@ -301,10 +301,11 @@ class AheadSteps:
                 took = time.perf_counter() - prev.launched
                 self.step_s = took if not self.step_s else 0.9 * self.step_s + 0.1 * took
             logprobs = prev.fetch.lane_logprobs()
+            landed = {id(f): (f.result(), f.lane_logprobs()) for f, _ in picked.values()}  # one per pick call
             grammar = {}
             for lane, (fetch, i) in picked.items():
-                t, f = fetch.result()
-                grammar[lane] = ((t[i], f[i]), fetch.lane_logprobs().get(i))
+                (t, f), lps = landed[id(fetch)]
+                grammar[lane] = ((t[i], f[i]), lps.get(i))
         except Exception as exc:
             outputs = [finish(lv, FinishReason.ERROR, error=f"forward failed: {exc}") for _, lv in lanes]
             if between is not None:

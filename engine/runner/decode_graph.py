@@ -124,6 +124,13 @@ class DecodeBatch:
         return out.unsqueeze(0)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on the host, queued (into pinned memory from a CUDA device): no sync."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class GreedyFetch:
     """A static step's greedy tokens on their way to the host: the copy is queued right behind the
     step, and `result()` waits for that copy alone (not for steps queued after it)."""
@@ -238,10 +245,7 @@ class GraphDecoder:
         n = greedy.shape[1]
         self._fetch_host[t][: 2 * n].view(2, n).copy_(greedy.contiguous(), non_blocking=True)
         if logprobs is not None:  # rare (only rows that ask): an allocation per step is fine
-            pack = logprobs[0]
-            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=pack.device.type == "cuda")
-            host.copy_(pack, non_blocking=True)
-            logprobs = (host, *logprobs[1:])
+            logprobs = (_to_host(logprobs[0]), *logprobs[1:])
         done = self._fetch_done[t]
         if done is not None:
             done.record()
@@ -250,14 +254,10 @@ class GraphDecoder:
     def fetch_apart(self, tokens: torch.Tensor, logprobs=None) -> GreedyFetch:
         """`fetch` of picks made apart from a step's own (a grammar row's, [2, r]), into a host
         buffer of their own: the step's double buffer is left to the steps."""
-        cuda = tokens.device.type == "cuda"
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=True)
+        host = _to_host(tokens)
         if logprobs is not None:
-            pack = torch.empty(logprobs[0].shape, dtype=logprobs[0].dtype, pin_memory=cuda)
-            pack.copy_(logprobs[0], non_blocking=True)
-            logprobs = (pack, *logprobs[1:])
-        done = torch.cuda.Event() if cuda else None
+            logprobs = (_to_host(logprobs[0]), *logprobs[1:])
+        done = torch.cuda.Event() if tokens.device.type == "cuda" else None
         if done is not None:
             done.record()
         return GreedyFetch(host.numpy(), done, logprobs)
