@@ -182,6 +182,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--max-num-batched-tokens", "engine.max_num_batched_tokens",
            "tokens per engine step (decodes + prefill chunks)", parse=int, metavar="N",
            old_env=("S5_MAX_BATCHED_TOKENS",)),
+    Option("--max-decode-stall-ms", "engine.max_decode_stall_ms",
+           "while prompts wait to prefill, decoding rows may pause this long so prefill chunks get "
+           "the whole step (lower TTFT under bursts, one long gap per stream instead of one per "
+           "prefill step); 0: decode every step (auto: 1000 on CUDA, 0 on the CPU)",
+           parse=float, show=lambda v: "auto" if v is None else f"{v:g}", metavar="MS"),
     Option("--pdl", "engine.pdl",
            "launch the engine's GPU kernels with programmatic dependent launch where the GPU "
            "supports it (small decode batches; results are the same either way)",

@@ -43,6 +43,12 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
     max_num_seqs: int | None = None  # rows in one step; defaults to max_rows
+    # While prompts wait to prefill, decoding rows may pause this long so that prefill chunks take
+    # the whole step budget (scheduler.py): a burst of prompts is prefilled in fewer, fuller steps
+    # and a decoding row sees one long gap per burst, not one per prefill step. 0: every decoding
+    # row takes one token every step and prefill chunks share what it leaves. None: 1000 on CUDA
+    # (a prefill step there costs far more than a decode step), 0 on the CPU.
+    max_decode_stall_ms: float | None = None
     # Decode-only steps as fixed-size batches replayed from CUDA graphs (decode_graph.py). None:
     # on for CUDA, off for the CPU; True on the CPU runs the same static step uncaptured.
     decode_graphs: bool | None = None
@@ -118,12 +124,21 @@ class EngineConfig:
                 raise ValueError("give kv_windows or kv_budget, not both")
             if self.kv_policy != "s5":
                 raise ValueError("kv_budget applies to the s5 policy")
+        if self.max_decode_stall_ms is not None and not self.max_decode_stall_ms >= 0:
+            raise ValueError("max_decode_stall_ms must be >= 0")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
 
     @property
     def num_seqs_per_step(self) -> int:
         return self.max_num_seqs or self.max_rows
+
+    @property
+    def decode_stall_s(self) -> float:
+        """The scheduler's decode stall bound in seconds (max_decode_stall_ms resolved)."""
+        if self.max_decode_stall_ms is not None:
+            return self.max_decode_stall_ms / 1000
+        return 1.0 if self.device.startswith("cuda") else 0.0
 
     @property
     def static_decode_batch(self) -> int:

@@ -6,6 +6,11 @@ Policy (continuous batching with chunked prefill):
   3. waiting requests are admitted in arrival order while the budget, the per-step row limit and
      the KV capacity allow it (the check and the commit are the caller's `admit`, passed to
      each `schedule` call, so the scheduler holds no reference to its caller).
+With a decode stall bound (`max_decode_stall_s` > 0), prompts come first while they wait: steps
+2 and 3 take the budget before step 1, and decoding rows get only what they leave. So a burst of
+prompts prefills in whole-budget steps, and a decoding row pauses through it, for at most the
+bound: once some row has gone that long without a token, the next step decodes every row first.
+A row then sees one long gap per burst rather than one per prefill step.
 A request's prefill is one logical forward, or several when a row is rebuilt from a stored
 transcript (`forward_ends`): a chunk never crosses the end of one, so each is replayed as it ran.
 Admission is FIFO: a request that does not fit blocks those behind it, so big requests are not
@@ -14,6 +19,7 @@ starved by a stream of small ones.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -55,11 +61,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, token_budget: int, max_seqs: int) -> None:
+    def __init__(self, token_budget: int, max_seqs: int, max_decode_stall_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.token_budget = token_budget
         self.max_seqs = max_seqs
+        self.max_decode_stall_s = max_decode_stall_s  # 0: decoding rows take one token every step
+        self.clock = clock
         self.waiting: deque[SchedRequest] = deque()
         self.running: list[SchedRequest] = []
+        self._stalled_since: float | None = None  # a decoding row has had no token since then
 
     @property
     def num_waiting(self) -> int:
@@ -100,15 +110,18 @@ class Scheduler:
         """The next step's chunks. `admit(request_id)` reserves what a waiting request needs (its
         row, its blocks) and returns True, or returns False and changes nothing."""
         budget, seqs = self.token_budget, self.max_seqs
-        chunks: list[ScheduledChunk] = []
-        for r in self.running:
-            if r.decoding and budget > 0 and seqs > 0:
-                chunks.append(ScheduledChunk(r.request_id, 1, True, decode=True))
-                budget, seqs = budget - 1, seqs - 1
+        decoding = [r for r in self.running if r.decoding]
+        now = self.clock() if decoding and self.max_decode_stall_s > 0 else 0.0
+        prompts_first = bool(decoding) and self.max_decode_stall_s > 0 and (
+            self._stalled_since is None or now - self._stalled_since < self.max_decode_stall_s)
+        decodes: list[ScheduledChunk] = []
+        if not prompts_first:
+            budget, seqs = self._decodes(decoding, decodes, budget, seqs)
+        prefills: list[ScheduledChunk] = []
         for r in self.running:
             if not r.decoding and budget > 0 and seqs > 0:
-                chunks.append(self._prefill(r, budget))
-                budget, seqs = budget - chunks[-1].num_tokens, seqs - 1
+                prefills.append(self._prefill(r, budget))
+                budget, seqs = budget - prefills[-1].num_tokens, seqs - 1
         admitted = []
         while self.waiting and budget > 0 and seqs > 0:
             r = self.waiting[0]
@@ -117,9 +130,26 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(r)
             admitted.append(r.request_id)
-            chunks.append(self._prefill(r, budget))
-            budget, seqs = budget - chunks[-1].num_tokens, seqs - 1
-        return SchedulerOutput(chunks, admitted)
+            prefills.append(self._prefill(r, budget))
+            budget, seqs = budget - prefills[-1].num_tokens, seqs - 1
+        if prompts_first:
+            self._decodes(decoding, decodes, budget, seqs)
+        if len(decodes) == len(decoding):
+            self._stalled_since = None
+        elif self._stalled_since is None:
+            self._stalled_since = now
+        return SchedulerOutput(decodes + prefills, admitted)
+
+    @staticmethod
+    def _decodes(decoding: list[SchedRequest], chunks: list[ScheduledChunk], budget: int,
+                 seqs: int) -> tuple[int, int]:
+        """One token for each decoding row that fits, oldest first; the budget and rows left."""
+        for r in decoding:
+            if budget <= 0 or seqs <= 0:
+                break
+            chunks.append(ScheduledChunk(r.request_id, 1, True, decode=True))
+            budget, seqs = budget - 1, seqs - 1
+        return budget, seqs
 
     @staticmethod
     def _prefill(r: SchedRequest, budget: int) -> ScheduledChunk:

@@ -48,3 +48,72 @@ def test_fifo_admission_and_row_limit():
         s2.add(SchedRequest(rid, 4))
     assert len(s2.schedule(cap2.admit).chunks) == 2  # per-step row limit
     assert not s.is_waiting("x") and s.is_waiting("y")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def shape(out):
+    return [(c.request_id, c.num_tokens, c.decode) for c in out.chunks]
+
+
+def test_prompts_take_the_budget_first_while_the_stall_bound_allows():
+    cap, clock = Capacity(10), Clock()
+    s = Scheduler(token_budget=8, max_seqs=8, max_decode_stall_s=1.0, clock=clock)
+    s.add(SchedRequest("a", 8))
+    assert shape(s.schedule(cap.admit)) == [("a", 8, False)]  # a's whole prompt: a decodes next
+    for rid in "bcd":
+        s.add(SchedRequest(rid, 8))
+    # a burst of prompts: a pauses while they fill whole steps
+    for rid in "bcd":
+        clock.now += 0.3
+        assert shape(s.schedule(cap.admit)) == [(rid, 8, False)]
+    # 0.9 s since a's last token: still within the bound, but nothing waits: everyone decodes
+    clock.now += 0.05
+    assert shape(s.schedule(cap.admit)) == [(r, 1, True) for r in "abcd"]
+    s.add(SchedRequest("e", 6))  # a prompt that leaves room: decoding rows take the rest, oldest first
+    assert shape(s.schedule(cap.admit)) == [("a", 1, True), ("b", 1, True), ("e", 6, False)]
+
+
+def test_a_row_stalled_past_the_bound_decodes_first():
+    cap, clock = Capacity(10), Clock()
+    s = Scheduler(token_budget=8, max_seqs=8, max_decode_stall_s=1.0, clock=clock)
+    s.add(SchedRequest("a", 8))
+    s.schedule(cap.admit)
+    s.add(SchedRequest("long", 80))
+    stalled = 0
+    while True:
+        out = s.schedule(cap.admit)
+        if any(c.decode for c in out.chunks):
+            break
+        stalled += 1
+        clock.now += 0.4
+    # the step after the bound passed: a's token first, the long prompt gets the rest
+    assert stalled == 3 and shape(out) == [("a", 1, True), ("long", 7, False)]
+    clock.now += 0.4
+    assert shape(s.schedule(cap.admit)) == [("long", 8, False)]  # the bound starts over
+
+
+def test_without_a_stall_bound_decodes_come_first_every_step():
+    cap = Capacity(10)
+    s = Scheduler(token_budget=8, max_seqs=8)
+    s.add(SchedRequest("a", 8))
+    s.schedule(cap.admit)
+    s.add(SchedRequest("b", 16))
+    assert shape(s.schedule(cap.admit)) == [("a", 1, True), ("b", 7, False)]
+    assert shape(s.schedule(cap.admit)) == [("a", 1, True), ("b", 7, False)]
+
+
+def test_a_prompt_that_cannot_be_admitted_does_not_stall_decoding():
+    cap, clock = Capacity(1), Clock()
+    s = Scheduler(token_budget=8, max_seqs=8, max_decode_stall_s=10.0, clock=clock)
+    s.add(SchedRequest("a", 4))
+    s.schedule(cap.admit)
+    s.add(SchedRequest("b", 4))  # no room until a ends
+    assert shape(s.schedule(cap.admit)) == [("a", 1, True)]
+    assert s.is_waiting("b")
