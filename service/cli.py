@@ -39,6 +39,7 @@ def _serve(argv: list[str]) -> int:
         embedded_dir(settings.engine.cache_dir, report=lambda line: print(line, flush=True))
     app = create_app(settings)
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           access_log=settings.access_log,
                                            timeout_keep_alive=int(settings.keep_alive_s),
                                            timeout_graceful_shutdown=int(settings.drain_grace_s) + 5),
                             app.state.s5)

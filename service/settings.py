@@ -42,6 +42,7 @@ class Settings:
     # client connection pools (httpx and the openai SDK: 5 s; load balancers: often 60 s): when the
     # server closes first, a request the client sends on that connection at the same moment fails.
     keep_alive_s: float = 75.0
+    access_log: bool = True  # one line per request on the server's log (uvicorn's access log)
 
 
 def default_session_db() -> str:
@@ -224,6 +225,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            parse=float, metavar="SECONDS"),
     Option("--drain-grace", "drain_grace_s",
            "on SIGTERM, seconds streams in flight get to finish", parse=float, metavar="SECONDS"),
+    Option("--access-log", "access_log", "log one line per HTTP request",
+           parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
 )
 
 
