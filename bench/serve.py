@@ -244,6 +244,52 @@ def loop_lag(before: dict, after: dict) -> dict:
             "gc_seconds": sum(v for k, v in gc_runs.items() if k.startswith("s5_gc_pause_seconds_sum"))}
 
 
+class LagWatch:
+    """Polls the server's event-loop lag histogram through a run (every `period` s, on a thread),
+    so `phases` can say when the late wake-ups happened: while requests arrived and prefilled (to
+    the last stream's first token), while every stream decoded, or while streams ended."""
+
+    NAME = "s5_event_loop_lag_seconds"
+
+    def __init__(self, base_url: str, period: float = 0.25) -> None:
+        import threading
+
+        self.base_url, self.period = base_url, period
+        self.polls: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LagWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            got = scrape(self.base_url)
+            late = {le: got[f"{self.NAME}_count"] - got[f'{self.NAME}_bucket{{le="{le}"}}']
+                    for le in ("0.01", "0.025") if f"{self.NAME}_count" in got}
+            self.polls.append((time.monotonic(), late))
+
+    def phases(self, results: list[dict]) -> dict | None:
+        """Late wake-ups (over 10 ms, over 25 ms) counted per phase of the run."""
+        ok = [r for r in results if not r["error"] and r["chunks"]]
+        if not ok or len(self.polls) < 2:
+            return None
+        t_all = max(r["chunks"][0][0] for r in ok)
+        t_done = min(r["chunks"][-1][0] for r in ok)
+        out = {ph: {"over_10ms": 0, "over_25ms": 0} for ph in ("arriving", "all_decoding", "ending")}
+        for (_, before), (t, after) in zip(self.polls, self.polls[1:]):
+            ph = "arriving" if t - self.period / 2 <= t_all else "all_decoding" if t - self.period / 2 <= t_done \
+                else "ending"
+            for le, key in (("0.01", "over_10ms"), ("0.025", "over_25ms")):
+                out[ph][key] += int(after.get(le, 0) - before.get(le, 0))
+        return out
+
+
 # ---- the server under test ---------------------------------------------------------------------------
 
 
@@ -286,6 +332,7 @@ def engine_rate(spec: str, a, prompts, n: int) -> dict:
 
 def engine_settings(a, n: int) -> dict:
     return {"max_rows": max(n, 1), "max_num_batched_tokens": a.max_batched_tokens,
+            "max_decode_stall_ms": a.max_decode_stall_ms,
             "kv_cache_bytes": max(2 << 30, n * (64 << 20)) if a.device.startswith("cuda") else max(1 << 30, n * (32 << 20))}
 
 
@@ -305,6 +352,8 @@ def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serv
             "--quantization", a.quantization or "none", "--rows", str(es["max_rows"]),
             "--max-num-batched-tokens", str(es["max_num_batched_tokens"]), "--kv-cache-bytes", str(es["kv_cache_bytes"]),
             "--queue-size", str(max(256, 4 * n)), "--session-db", "none", "--port", str(port)]
+    if es["max_decode_stall_ms"] is not None:
+        args += ["--max-decode-stall-ms", str(es["max_decode_stall_ms"])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.threads:  # the server's (every replica's) engine threads; Ray gives an actor 1 unless told
         env["OMP_NUM_THREADS"] = str(a.threads)
@@ -424,6 +473,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1238)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-decode-stall-ms", type=float, default=None,
+                    help="the server's and the engine baseline's decode stall bound (default: the server's)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
@@ -485,7 +536,7 @@ def main() -> None:
                 "threads": a.threads or torch.get_num_threads()}
         peer["build"] = llama_cpp.build_info()
     head = (f"{'target':>9} {'mode':>11} {'N':>4} {'served dec tok/s':>16} {'engine dec tok/s':>16} {'served/engine':>13} "
-            f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng TTFT s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+            f"{'out tok/s':>9} {'TTFT p50 s':>10} {'eng p50 s':>10} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
             f"{'eng ITL p99':>11} "
             f"{'lag p99 ms':>10} {'lag max ms':>10} {'GC s':>5} {'errors':>6}")
     print(head, flush=True)
@@ -531,18 +582,23 @@ def main() -> None:
                             t += rng.expovariate(a.rate)
                     else:
                         offsets = [0.0] * len(bodies)
-                    results = drive(url, bodies, offsets, a.client_procs)
+                    with LagWatch(url) as watch:
+                        results = drive(url, bodies, offsets, a.client_procs)
                     summ, res = summarize(results, a.slo_ttft, a.slo_tpot), None
+                    late_by_phase = watch.phases(results)
                 after = scrape(url)
             finally:
                 if proc is not None:
                     stop_server(proc)
             lag = loop_lag(before, after)
+            if a.mode != "sessions" and late_by_phase is not None:
+                lag["late_by_phase"] = late_by_phase
             eng = engine_res if target != "llama.cpp" else None  # the engine baseline is s5serve's
             row = {"target": target, "mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
                    "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
                                                  if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
-                   "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_s"]
+                   # p50 against p50 (files before the engine reported its p50 held its mean)
+                   "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_p50_s"]
                                                if eng and summ["ttft_s"]["p50"] is not None else None)}
             if res is not None:
                 row["per_turn"] = res["per_turn"]
@@ -551,11 +607,15 @@ def main() -> None:
             rows.append(row)
             print(f"{target or 'peer':>9} {a.mode:>11} {n:>4} {f(summ['decode_tok_s']):>16} {f(eng and eng['decode_tok_s']):>16} "
                   f"{f(row['served_over_engine_decode'], fmt='.3f'):>13} {f(summ['output_tok_s']):>9} "
-                  f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_s'], fmt='.3f'):>10} "
+                  f"{f(summ['ttft_s']['p50'], fmt='.3f'):>10} {f(eng and eng['ttft_p50_s'], fmt='.3f'):>10} "
                   f"{f(summ['itl_s']['p50'], 1e3, '.2f'):>10} {f(summ['itl_s']['p99'], 1e3, '.2f'):>10} "
                   f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
                   f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {f(lag.get('max_le_s'), 1e3, '.0f'):>10} "
                   f"{f(lag.get('gc_seconds'), fmt='.2f'):>5} {summ['errors']:>6}", flush=True)
+            if lag.get("late_by_phase"):
+                print("   event-loop wake-ups late > 10 ms (> 25 ms): " + ", ".join(
+                    f"{ph.replace('_', ' ')} {c['over_10ms']} ({c['over_25ms']})"
+                    for ph, c in lag["late_by_phase"].items()) + f" of {lag['samples']:.0f}", flush=True)
             if res is not None:
                 for t in res["per_turn"]:
                     print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
@@ -598,7 +658,8 @@ def main() -> None:
                      "source_digest": source_digest()},
         "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": a.threads,
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
-                     "ignore_eos": True, "client_procs": a.client_procs, "targets": targets},
+                     "ignore_eos": True, "client_procs": a.client_procs, "targets": targets,
+                     "max_batched_tokens": a.max_batched_tokens, "max_decode_stall_ms": a.max_decode_stall_ms},
         "peers": {"llama.cpp": {**peer["build"], "binary": str(peer["binary"]), "gguf": str(peer["gguf"]),
                                 "threads": peer["threads"]}} if peer else {},
         "peer_comparison": comparison,

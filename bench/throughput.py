@@ -73,6 +73,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
         "all_rows_steps": in_window // len(prompts),
         "steps": engine.stats["steps"], "graph_steps": dec.steps if dec is not None else 0,
         "ttft_s": sum(first[r] - t0 for r in first) / len(first),
+        "ttft_p50_s": sorted(first[r] - t0 for r in first)[len(first) // 2],
         # each row's gaps between its tokens (prefill steps of other rows included)
         "itl_p50_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
         "itl_p99_s": sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
