@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -59,6 +59,14 @@ case "${2:-}" in
     shape=gemma3-1b; [ "$2" = serve-4b ] && shape=gemma3-4b
     python3 -m bench.serve --shape $shape ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda --dtype bfloat16 \
       --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 --out "$OUT" --tag served ;;
+  stall)  # the scheduler's decode stall bound: through the server at the default (1 s on CUDA),
+    # then the engine alone with the bound off and on and a larger step budget, same run
+    timeout 290 python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
+      --device cuda --dtype bfloat16 --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 \
+      ${STALL:+--max-decode-stall-ms $STALL} --out "$OUT" --tag served-stall-${STALL:-auto}
+    timeout 250 python3 -m bench.throughput --shape ${SHAPE:-gemma3-1b} --dtype bfloat16 --policies s5 \
+      --n ${ENGINE_N:-64 256} --new-tokens 128 --max-decode-stall-ms 0 1000 --max-batched-tokens 2048 8192 \
+      --no-quality --out "$OUT" --tag stall ;;
   cluster)  # s5serve serve, then s5serve cluster with 1 and 2 replicas sharing this GPU (Ray Serve)
     python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
       --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \

@@ -361,6 +361,11 @@ def main() -> None:
     ap.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["on"],
                     help="the engine's kernels launched with programmatic dependent launch (EngineConfig.pdl; "
                          "on where the GPU supports it), or plainly, or both")
+    ap.add_argument("--max-decode-stall-ms", nargs="+", type=float, default=[None],
+                    help="the scheduler's decode stall bound (EngineConfig.max_decode_stall_ms; default: the "
+                         "engine's, 1000 on CUDA and 0 on the CPU), or several for an A/B in one run")
+    ap.add_argument("--max-batched-tokens", nargs="+", type=int, default=[2048],
+                    help="tokens per engine step (EngineConfig.max_num_batched_tokens), or several")
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled decode step; its first run per "
                          "shape and N compiles for a minute or more), reported beside the default")
@@ -419,18 +424,21 @@ def main() -> None:
         for w, eng in engines.items():
             hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
-            for layers, overlap, pdl, policy in [(x, o, d, p) for x in a.layers for o in a.overlap for d in a.pdl
-                                                 for p in policies]:
+            for layers, overlap, pdl, stall, budget, policy in [
+                    (x, o, d, st, b, p) for x in a.layers for o in a.overlap for d in a.pdl
+                    for st in a.max_decode_stall_ms for b in a.max_batched_tokens for p in policies]:
                 ran = stock_for.get(w, eng) if layers == "stock" else eng
                 res = run_engine(ran, policy, prompts, a.new_tokens, a.device, fused_layers=layers == "fused",
-                                 nf4_kernels=layers == "fused", overlap_steps=overlap == "on", pdl=pdl == "on")
+                                 nf4_kernels=layers == "fused", overlap_steps=overlap == "on", pdl=pdl == "on",
+                                 max_decode_stall_ms=stall, max_num_batched_tokens=budget)
                 layers = res.pop("layers")
                 pdl = "on" if res.pop("pdl") else "off"  # on: asked for and supported by the device
                 floor = None
                 if bandwidth:  # one step reads the weights once and every row's resident K/V
                     floor = n / ((step_weight_bytes(ran.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
-                row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "pdl": pdl, "policy": policy, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "pdl": pdl, "policy": policy,
+                       "max_decode_stall_ms": stall, "max_batched_tokens": budget, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "hf_static_decode_tok_s": hf_static["decode_tok_s"] if hf_static and w not in hf_for else None,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
@@ -442,7 +450,11 @@ def main() -> None:
                       f"{hf_res['decode_tok_s']:>9.1f} {rate / hf_res['decode_tok_s']:>5.2f}x {vs_floor} "
                       f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}"
                       + (f" {row['hf_static_decode_tok_s']:>15.1f} {rate / row['hf_static_decode_tok_s']:>8.2f}x"
-                         if row["hf_static_decode_tok_s"] else ""), flush=True)
+                         if row["hf_static_decode_tok_s"] else "")
+                      + (f"  (stall {'auto' if stall is None else format(stall, 'g')} ms, {budget} tokens/step: TTFT "
+                         f"p50 {res['ttft_p50_s']:.3f} s, ITL p50/p99 {res['itl_p50_s'] * 1e3:.2f}/"
+                         f"{res['itl_p99_s'] * 1e3:.2f} ms)"
+                         if len(a.max_decode_stall_ms) > 1 or len(a.max_batched_tokens) > 1 else ""), flush=True)
     qualities = {}
     if not a.no_quality and "float32" in engines and not a.shape:
         for w in engines:
