@@ -5,9 +5,50 @@ from __future__ import annotations
 import gc
 import time
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class LoopHistogram:
+    """A histogram for the per-token metrics, which every stream updates at every engine step:
+    plain counts, touched by the event loop alone (no lock per observation, unlike
+    prometheus_client's), exposed in the same form when /metrics is rendered on the loop."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        total, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        return [HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.sum)]
+
+
+class LoopCounter:
+    """A counter updated by the event loop alone (see LoopHistogram)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, value=self.value)]
 
 
 class Metrics:
@@ -25,13 +66,15 @@ class Metrics:
         self.vllm_running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of paged KV blocks in use (0..1)", registry=r)
         self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=r)
-        self.itl = Histogram("s5_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY, registry=r)
+        self.itl = LoopHistogram("s5_inter_token_latency_seconds", "Time between tokens", LATENCY)
+        r.register(self.itl)
         self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=r)
         self.step = Histogram("s5_step_seconds", "Engine step time", buckets=LATENCY, registry=r)
         self.prompt_tokens = Counter("s5_prompt_tokens", "Prompt tokens received", registry=r)
         self.prefill_tokens = Counter("s5_prefill_tokens", "Tokens prefilled (computed)", registry=r)
         self.cached_tokens = Counter("s5_cached_tokens", "Prompt tokens reused from session rows", registry=r)
-        self.generation_tokens = Counter("s5_generation_tokens", "Tokens generated", registry=r)
+        self.generation_tokens = LoopCounter("s5_generation_tokens", "Tokens generated")
+        r.register(self.generation_tokens)
         self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
