@@ -42,6 +42,8 @@ from engine.core.types import EngineError, FinishReason, Request, TokenLogprobs,
 
 log = logging.getLogger("s5serve.client")
 
+WAKE_GROUP = 64  # streams resumed per pass of the event loop (see EngineClient._receive)
+
 
 class EngineDead(RuntimeError):
     """The engine process is gone."""
@@ -78,18 +80,23 @@ class RequestStream:
         self._logprobs: list[TokenLogprobs] | None = None
         self._last: ipc.Output | None = None
         self._arrived = 0.0
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits for outputs
         self._done = False  # the final output arrived
         self._delivered = False  # ... and was handed out
 
-    def _push(self, out: ipc.Output, now: float) -> None:
+    def _push(self, out: ipc.Output, now: float) -> bool:
+        """Take one step's output; whether the consumer waits for it (then `_wake` it)."""
         self._ids += out.new_token_ids
         if out.logprobs is not None:
             self._logprobs = (self._logprobs or []) + out.logprobs
         self._last, self._arrived = out, now
         if out.finished:
             self._done = True
-        self._ready.set()
+        return self._waiter is not None and not self._waiter.done()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @property
     def finished(self) -> bool:
@@ -103,8 +110,8 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             while self._last is None or (not self._ids and not self._done):
-                self._ready.clear()
-                await self._ready.wait()
+                self._waiter = self.client._loop.create_future()
+                await self._waiter
         except BaseException:
             self.abort()
             raise
@@ -247,6 +254,7 @@ class EngineClient:
         now = time.monotonic()
         for rid, stream in list(self._streams.items()):
             stream._push(ipc.Output(rid, [], True, FinishReason.ERROR, 0, 0, 0, why), now)
+            stream._wake()
         self._streams.clear()
         if first:
             log.error("the engine is gone: %s", why)
@@ -264,14 +272,23 @@ class EngineClient:
             msg = decode(frame.buffer)
             if isinstance(msg, ipc.StepOutputs):
                 now = time.monotonic()
+                waiting = []
                 for out in msg.outputs:
                     stream = streams.get(out.request_id)
-                    if stream is not None:
-                        stream._push(out, now)
+                    if stream is not None and stream._push(out, now):
+                        waiting.append(stream)
                 if msg.stats is not None:
                     self.stats = msg.stats
                 if self.on_step is not None:
                     self.on_step(msg)
+                # Consumers resume in groups, one pass of the event loop each: a pass never runs
+                # more than WAKE_GROUP streams' work, so timers and new requests wait at most that
+                # long (outputs arriving meanwhile coalesce into the streams).
+                for i in range(0, len(waiting), WAKE_GROUP):
+                    if i:
+                        await asyncio.sleep(0)
+                    for stream in waiting[i : i + WAKE_GROUP]:
+                        stream._wake()
             elif isinstance(msg, ipc.Reply):
                 fut = calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
