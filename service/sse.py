@@ -11,12 +11,12 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 DONE = b"data: [DONE]\n\n"
-_encode = msgspec.json.Encoder().encode
+encode = msgspec.json.Encoder().encode  # an object's JSON, as bytes
 
 
 def event(obj) -> bytes:
     """One `data:` frame holding `obj` as JSON."""
-    return b"data: " + _encode(obj) + b"\n\n"
+    return b"data: " + encode(obj) + b"\n\n"
 
 
 def response(frames: AsyncIterator[bytes], turn, headers: dict[str, str]) -> EventSourceResponse:

@@ -133,11 +133,8 @@ class _Choice:
 
 
 async def _merged(turns: list) -> AsyncIterator[tuple[int, object]]:
-    """(index, chunk) of every turn's chunks, as they come; a turn's chunks stay in order."""
-    if len(turns) == 1:
-        async for out in turns[0].chunks():
-            yield 0, out
-        return
+    """(index, chunk) of the turns' chunks, as they come; a turn's chunks stay in order. (One
+    turn's chunks are read without it: `_respond` iterates them directly.)"""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, turn):
@@ -208,6 +205,8 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
+    # every chunk is `head` with one choice: its JSON up to the choice is encoded once
+    opening = sse.event({**head, "choices": []})[: -len(b"]}\n\n")]
     places = [_Choice(i, echo, calls) for i in range(len(turns))]
 
     def chunk(place: _Choice, delta_text: str | None, finish: str | None, token_ids: list[int] | None = None,
@@ -224,7 +223,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         if body.return_token_ids:
             choice["token_ids"] = token_ids or []
         place.first = False
-        return sse.event({**head, "choices": [choice]})
+        return opening + sse.encode(choice) + b"]}\n\n"
 
     def call_chunks(place: _Choice, made: list[dict]) -> list[bytes]:
         """Tool calls in OpenAI's delta format: per call, its index, id, type and name (the first
@@ -242,7 +241,9 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
 
     async def events():
         failed = False
-        async for i, out in _merged(turns):
+        one = len(turns) == 1
+        async for item in turns[0].chunks() if one else _merged(turns):
+            i, out = (0, item) if one else item
             place = places[i]
             place.last = out
             if out.finish_reason == FinishReason.ERROR:
