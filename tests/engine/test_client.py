@@ -103,3 +103,42 @@ async def test_a_killed_engine_ends_every_stream_and_call():
     with pytest.raises(EngineDead):
         await client.create_session()
     await client.shutdown()
+
+
+async def test_a_step_for_many_streams_resumes_them_a_group_per_event_loop_pass():
+    """One step's outputs for 150 rows wake their consumers at most WAKE_GROUP per pass of the
+    event loop, so no pass runs every stream's work; every stream still gets all its tokens."""
+    from engine.client import WAKE_GROUP
+
+    n = 150
+    client = EngineClient(EngineConfig(model="tiny-random:2", max_rows=n, max_num_batched_tokens=1024,
+                                       kv_cache_bytes=1 << 24))
+    await client.start()
+    loop = asyncio.get_running_loop()
+    passes = [0]
+
+    def tick():  # counts the loop's passes: each runs the callbacks scheduled in the one before
+        passes[0] += 1
+        loop.call_soon(tick)
+
+    try:
+        loop.call_soon(tick)
+        resumed: dict[int, int] = {}
+        counts = []
+
+        async def consume(stream):
+            got = 0
+            async for d in stream:
+                got += len(d.token_ids)
+                resumed[passes[0]] = resumed.get(passes[0], 0) + 1
+            counts.append(got)
+
+        # submitted together, so the engine's steps carry every row
+        streams = await asyncio.gather(*(client.generate(Request(f"r{i}", [2, 3 + i % 50, 7], greedy(40)))
+                                         for i in range(n)))
+        await asyncio.gather(*(consume(s) for s in streams))
+        assert counts == [40] * n
+        assert max(resumed.values()) <= WAKE_GROUP < n
+        assert WAKE_GROUP in resumed.values()  # full groups did form: steps carried more rows than one group
+    finally:
+        await client.shutdown()
