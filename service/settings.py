@@ -181,7 +181,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "host memory for rows of idle sessions when rows run short (0: rebuild them from the "
            "transcript instead)", parse=parse_bytes, show=show_bytes, metavar="BYTES"),
     Option("--max-num-batched-tokens", "engine.max_num_batched_tokens",
-           "tokens per engine step (decodes + prefill chunks)", parse=int, metavar="N",
+           "tokens per engine step (decodes + prefill chunks; auto: 8192 on CUDA, 512 on the CPU)",
+           parse=int, show=lambda v: "auto" if v is None else str(v), metavar="N",
            old_env=("S5_MAX_BATCHED_TOKENS",)),
     Option("--max-decode-stall-ms", "engine.max_decode_stall_ms",
            "while prompts wait to prefill, decoding rows may pause this long so prefill chunks get "

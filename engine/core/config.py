@@ -41,7 +41,10 @@ class EngineConfig:
     # next turn is still queued is always swapped.)
     swap_bytes: int = 4 << 30
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    # Per-step token budget (decodes + prefill chunks). None: 8192 on CUDA, where a burst of prompts
+    # then prefills in fewer, fuller forwards (with the decode stall bound below, decoding rows do
+    # not wait on each of them), 512 on the CPU, where a forward's time grows with its tokens.
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None  # rows in one step; defaults to max_rows
     # While prompts wait to prefill, decoding rows may pause this long so that prefill chunks take
     # the whole step budget (scheduler.py): a burst of prompts is prefilled in fewer, fuller steps
@@ -104,7 +107,7 @@ class EngineConfig:
         if self.quantization == "bnb-4bit" and not self.device.startswith("cuda"):
             raise ValueError("bnb-4bit quantization needs a CUDA device")
         for name in ("kv_window", "max_rows", "kv_block_size", "max_num_batched_tokens", "max_graph_batch"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.swap_bytes < 0:
             raise ValueError("swap_bytes must be >= 0")
@@ -132,6 +135,13 @@ class EngineConfig:
     @property
     def num_seqs_per_step(self) -> int:
         return self.max_num_seqs or self.max_rows
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per engine step (max_num_batched_tokens resolved)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if self.device.startswith("cuda") else 512
 
     @property
     def decode_stall_s(self) -> float:

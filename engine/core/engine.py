@@ -90,7 +90,7 @@ class Engine:
                                   capture=capture, fused=config.fused_layers, undoable=overlap, pdl=config.pdl,
                                   nf4=config.nf4_kernels, paged_decode=_paged_decode_kernel(config, self.pool),
                                   cpu_ops=_cpu_layer_ops(config, self.pool))
-        self.scheduler = Scheduler(config.max_num_batched_tokens, config.num_seqs_per_step, config.decode_stall_s)
+        self.scheduler = Scheduler(config.token_budget, config.num_seqs_per_step, config.decode_stall_s)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
         # an SQLite file, or a PostgreSQL store shared by replicas (the table asks it through SharedStore)

@@ -40,7 +40,9 @@ def test_a_burst_prefills_first_and_the_tokens_are_unchanged():
     assert sum("live" in s for s in plain_steps[:burst_plain + 1]) == burst_plain + 1
 
 
-def test_the_stall_bound_is_resolved_per_device():
-    assert EngineConfig(model="tiny").decode_stall_s == 0.0
-    assert EngineConfig(model="tiny", device="cuda").decode_stall_s == 1.0
-    assert EngineConfig(model="tiny", max_decode_stall_ms=250).decode_stall_s == 0.25
+def test_the_stall_bound_and_the_step_budget_are_resolved_per_device():
+    cpu, cuda = EngineConfig(model="tiny"), EngineConfig(model="tiny", device="cuda")
+    assert (cpu.decode_stall_s, cpu.token_budget) == (0.0, 512)
+    assert (cuda.decode_stall_s, cuda.token_budget) == (1.0, 8192)
+    given = EngineConfig(model="tiny", device="cuda", max_decode_stall_ms=250, max_num_batched_tokens=2048)
+    assert (given.decode_stall_s, given.token_budget) == (0.25, 2048)
