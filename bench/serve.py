@@ -223,6 +223,12 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
+def mean_of(before: dict, after: dict, name: str) -> float | None:
+    """The mean of a histogram's observations between two scrapes."""
+    count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+    return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count if count > 0 else None
+
+
 def loop_lag(before: dict, after: dict) -> dict:
     """Event-loop lag over the run from the s5_event_loop_lag_seconds histogram: samples, mean,
     the bucket bounds under which 99% and all of the run's samples fell (None: some above the
@@ -350,10 +356,12 @@ def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serv
             command += ["--replica-gpus", str(min(1.0, torch.cuda.device_count() / replicas))]
     args = [sys.executable, "-m", "service.cli", *command, "--model", spec, "--device", a.device, "--dtype", a.dtype,
             "--quantization", a.quantization or "none", "--rows", str(es["max_rows"]),
-            "--max-num-batched-tokens", str(es["max_num_batched_tokens"]), "--kv-cache-bytes", str(es["kv_cache_bytes"]),
+            "--kv-cache-bytes", str(es["kv_cache_bytes"]),
             "--queue-size", str(max(256, 4 * n)), "--session-db", "none", "--port", str(port)]
     if es["max_decode_stall_ms"] is not None:
         args += ["--max-decode-stall-ms", str(es["max_decode_stall_ms"])]
+    if es["max_num_batched_tokens"] is not None:
+        args += ["--max-num-batched-tokens", str(es["max_num_batched_tokens"])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.threads:  # the server's (every replica's) engine threads; Ray gives an actor 1 unless told
         env["OMP_NUM_THREADS"] = str(a.threads)
@@ -472,7 +480,8 @@ def main() -> None:
                     help="sessions mode: send s5serve session ids (off for peers)")
     ap.add_argument("--prompt-len", type=int, default=1238)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="the server's and the engine baseline's tokens per step (default: the server's)")
     ap.add_argument("--max-decode-stall-ms", type=float, default=None,
                     help="the server's and the engine baseline's decode stall bound (default: the server's)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
@@ -593,6 +602,7 @@ def main() -> None:
             lag = loop_lag(before, after)
             if a.mode != "sessions" and late_by_phase is not None:
                 lag["late_by_phase"] = late_by_phase
+            server_ttft = mean_of(before, after, "s5_time_to_first_token_seconds")
             eng = engine_res if target != "llama.cpp" else None  # the engine baseline is s5serve's
             row = {"target": target, "mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
                    "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
@@ -600,6 +610,9 @@ def main() -> None:
                    # p50 against p50 (files before the engine reported its p50 held its mean)
                    "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_p50_s"]
                                                if eng and summ["ttft_s"]["p50"] is not None else None)}
+            # the server's own TTFT (from the request's handler to its first token in the front end):
+            # the rest of the client's is HTTP, the client and the SSE write
+            row["server_ttft_mean_s"] = server_ttft
             if res is not None:
                 row["per_turn"] = res["per_turn"]
             if server is not None:
@@ -612,6 +625,9 @@ def main() -> None:
                   f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
                   f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {f(lag.get('max_le_s'), 1e3, '.0f'):>10} "
                   f"{f(lag.get('gc_seconds'), fmt='.2f'):>5} {summ['errors']:>6}", flush=True)
+            if server_ttft is not None and summ["ttft_s"]["mean"] is not None:
+                print(f"   TTFT mean {summ['ttft_s']['mean']:.3f} s at the client, {server_ttft:.3f} s in the server "
+                      f"(handler to first token)" + (f", engine alone {eng['ttft_s']:.3f} s" if eng else ""), flush=True)
             if lag.get("late_by_phase"):
                 print("   event-loop wake-ups late > 10 ms (> 25 ms): " + ", ".join(
                     f"{ph.replace('_', ' ')} {c['over_10ms']} ({c['over_25ms']})"

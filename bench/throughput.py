@@ -42,7 +42,6 @@ def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> li
 def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **config) -> dict:
     """`config`: EngineConfig fields to override (capacity runs size the pool themselves)."""
     cfg = EngineConfig(**{"model": "bench", "device": device, "kv_policy": policy, "max_rows": max(len(prompts), 1),
-                          "max_num_batched_tokens": 2048,
                           "kv_cache_bytes": max(2 << 30, len(prompts) * (64 << 20)), **config})
     engine = Engine(cfg, loaded)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -78,6 +77,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, **con
         "itl_p50_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
         "itl_p99_s": sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
         "kv_bytes_per_session": per_session,
+        "token_budget": engine.scheduler.token_budget,
         "layers": "fused" if engine.runner.fused is not None else "stock",
         "pdl": engine.runner.pdl,
     }
@@ -117,10 +117,13 @@ def run_hf(model, prompts, new_tokens: int, pad_id: int, static: bool = False) -
     clock = _StepClock()
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, top_k=None, top_p=None,
               logits_processor=LogitsProcessorList([clock]))
+    warm = {**kw, "logits_processor": LogitsProcessorList([_StepClock()])}
     if static:
         kw["cache_implementation"] = "static"
-        warm = {**kw, "logits_processor": LogitsProcessorList([_StepClock()])}
+        warm["cache_implementation"] = "static"
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **warm)
+    elif ids.is_cuda:  # the first forward of a shape pays library setup (kernel choice, handles)
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **warm)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
     t = clock.times
@@ -364,8 +367,9 @@ def main() -> None:
     ap.add_argument("--max-decode-stall-ms", nargs="+", type=float, default=[None],
                     help="the scheduler's decode stall bound (EngineConfig.max_decode_stall_ms; default: the "
                          "engine's, 1000 on CUDA and 0 on the CPU), or several for an A/B in one run")
-    ap.add_argument("--max-batched-tokens", nargs="+", type=int, default=[2048],
-                    help="tokens per engine step (EngineConfig.max_num_batched_tokens), or several")
+    ap.add_argument("--max-batched-tokens", nargs="+", type=int, default=[None],
+                    help="tokens per engine step (EngineConfig.max_num_batched_tokens; default: the engine's, "
+                         "8192 on CUDA and 512 on the CPU), or several")
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled decode step; its first run per "
                          "shape and N compiles for a minute or more), reported beside the default")
@@ -438,7 +442,7 @@ def main() -> None:
                     floor = n / ((step_weight_bytes(ran.model, n) + n * res["kv_bytes_per_session"]) / bandwidth)
                 label = a.dtype if w == "float32" else w  # "float32" = the --dtype weights
                 row = {"n": n, "weights": label, "layers": layers, "overlap": overlap, "pdl": pdl, "policy": policy,
-                       "max_decode_stall_ms": stall, "max_batched_tokens": budget, **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
+                       "max_decode_stall_ms": stall, "max_batched_tokens": res.pop("token_budget"), **res, "hf_decode_tok_s": hf_res["decode_tok_s"],
                        "hf_ttft_s": hf_res["ttft_s"], "floor_tok_s": floor,
                        "hf_static_decode_tok_s": hf_static["decode_tok_s"] if hf_static and w not in hf_for else None,
                        "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None}
@@ -451,7 +455,7 @@ def main() -> None:
                       f"{res['ttft_s']:>7.2f} {hf_res['ttft_s']:>9.2f} {res['kv_bytes_per_session']:>13}"
                       + (f" {row['hf_static_decode_tok_s']:>15.1f} {rate / row['hf_static_decode_tok_s']:>8.2f}x"
                          if row["hf_static_decode_tok_s"] else "")
-                      + (f"  (stall {'auto' if stall is None else format(stall, 'g')} ms, {budget} tokens/step: TTFT "
+                      + (f"  (stall {'auto' if stall is None else format(stall, 'g')} ms, {row['max_batched_tokens']} tokens/step: TTFT "
                          f"p50 {res['ttft_p50_s']:.3f} s, ITL p50/p99 {res['itl_p50_s'] * 1e3:.2f}/"
                          f"{res['itl_p99_s'] * 1e3:.2f} ms)"
                          if len(a.max_decode_stall_ms) > 1 or len(a.max_batched_tokens) > 1 else ""), flush=True)

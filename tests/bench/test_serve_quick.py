@@ -31,6 +31,7 @@ def test_concurrency_mode_counts_every_token_and_compares_with_the_engine(tmp_pa
         assert row["served_over_engine_decode"] == pytest.approx(row["decode_tok_s"] / row["engine"]["decode_tok_s"])
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p99"]
         assert row["served_over_engine_ttft"] == pytest.approx(row["ttft_s"]["p50"] / row["engine"]["ttft_p50_s"])
+        assert 0 < row["server_ttft_mean_s"] <= row["ttft_s"]["mean"]
         lag = row["event_loop_lag"]
         assert lag["samples"] > 0
         phases = lag["late_by_phase"]
