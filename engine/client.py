@@ -263,41 +263,48 @@ class EngineClient:
 
     # ---- the receiver ------------------------------------------------------------------------------
     async def _receive(self, decode) -> None:
-        outbox, streams, calls = self._outbox, self._streams, self._calls
+        outbox = self._outbox
         while True:
             try:
-                frame = await outbox.recv(copy=False)
+                frames = [await outbox.recv(copy=False)]
+                while outbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # and every message queued behind it
+                    frames.append(await outbox.recv(copy=False))
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            msg = decode(frame.buffer)
-            if isinstance(msg, ipc.StepOutputs):
-                now = time.monotonic()
-                waiting = []
-                for out in msg.outputs:
-                    stream = streams.get(out.request_id)
-                    if stream is not None and stream._push(out, now):
-                        waiting.append(stream)
-                if msg.stats is not None:
-                    self.stats = msg.stats
-                if self.on_step is not None:
-                    self.on_step(msg)
-                # Consumers resume in groups, one pass of the event loop each: a pass never runs
-                # more than WAKE_GROUP streams' work, so timers and new requests wait at most that
-                # long (outputs arriving meanwhile coalesce into the streams).
-                for i in range(0, len(waiting), WAKE_GROUP):
-                    if i:
-                        await asyncio.sleep(0)
-                    for stream in waiting[i : i + WAKE_GROUP]:
-                        stream._wake()
-            elif isinstance(msg, ipc.Reply):
-                fut = calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    if msg.error is not None:
-                        fut.set_exception(EngineError(msg.error.message, msg.error.code, msg.error.param))
-                    else:
-                        fut.set_result(msg.result)
-            elif isinstance(msg, ipc.Failed):
-                self._die(msg.error)
+            waiting: dict[str, RequestStream] = {}  # streams whose consumer waits for these outputs
+            for frame in frames:
+                self._take(decode(frame.buffer), waiting)
+            # Consumers resume in groups, one pass of the event loop each: a pass never runs more
+            # than WAKE_GROUP streams' work, so timers and new requests wait at most that long.
+            # Steps that arrive meanwhile are read together next time, their tokens coalesced.
+            group = list(waiting.values())
+            for i in range(0, len(group), WAKE_GROUP):
+                if i:
+                    await asyncio.sleep(0)
+                for stream in group[i : i + WAKE_GROUP]:
+                    stream._wake()
+
+    def _take(self, msg, waiting: dict[str, RequestStream]) -> None:
+        """One message from the engine: outputs into their streams, a reply to its call."""
+        if isinstance(msg, ipc.StepOutputs):
+            now, streams = time.monotonic(), self._streams
+            for out in msg.outputs:
+                stream = streams.get(out.request_id)
+                if stream is not None and stream._push(out, now):
+                    waiting[out.request_id] = stream
+            if msg.stats is not None:
+                self.stats = msg.stats
+            if self.on_step is not None:
+                self.on_step(msg)
+        elif isinstance(msg, ipc.Reply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    fut.set_exception(EngineError(msg.error.message, msg.error.code, msg.error.param))
+                else:
+                    fut.set_result(msg.result)
+        elif isinstance(msg, ipc.Failed):
+            self._die(msg.error)
 
     # ---- requests ---------------------------------------------------------------------------------
     def _send(self, msg) -> None:

@@ -142,3 +142,33 @@ async def test_a_step_for_many_streams_resumes_them_a_group_per_event_loop_pass(
         assert WAKE_GROUP in resumed.values()  # full groups did form: steps carried more rows than one group
     finally:
         await client.shutdown()
+
+
+async def test_consumers_slower_than_the_engine_get_its_steps_coalesced():
+    """150 consumers that each take 2 ms per delta fall behind the engine's steps: the receiver
+    reads every step queued since it last looked before waking them, so their tokens arrive
+    several to a delta instead of one step at a time."""
+    import time as clock
+
+    n, tokens = 150, 40
+    client = EngineClient(EngineConfig(model="tiny-random:2", max_rows=n, max_num_batched_tokens=1024,
+                                       kv_cache_bytes=1 << 24))
+    await client.start()
+    try:
+        streams = await asyncio.gather(*(client.generate(Request(f"r{i}", [2, 3 + i % 50, 7], greedy(tokens)))
+                                         for i in range(n)))
+        deltas, counts = [0], []
+
+        async def consume(stream):
+            got = 0
+            async for d in stream:
+                got += len(d.token_ids)
+                deltas[0] += 1
+                clock.sleep(0.002)  # a consumer's own work, holding the event loop
+            counts.append(got)
+
+        await asyncio.gather(*(consume(s) for s in streams))
+        assert counts == [tokens] * n
+        assert deltas[0] < n * tokens / 4
+    finally:
+        await client.shutdown()
