@@ -42,7 +42,7 @@ from engine.core.types import EngineError, FinishReason, Request, TokenLogprobs,
 
 log = logging.getLogger("s5serve.client")
 
-WAKE_GROUP = 64  # streams resumed per pass of the event loop (see EngineClient._receive)
+WAKE_GROUP = 32  # streams resumed per pass of the event loop (see EngineClient._receive)
 
 
 class EngineDead(RuntimeError):
