@@ -63,14 +63,15 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
     """8 streams decode on the embedded model; a ~40k-token prompt arrives (the front end
     tokenizes it, the engine refuses it: over the context). No stream's gap between tokens grows
     by more than 50 ms over its own typical gap while that happens, or, where the machine itself
-    is that noisy, by more than it did in a quiet window of the same length just before."""
+    is that noisy, by more than it did in a quiet window just before, at least as long (3 s; the
+    prompt takes 1.5-2.5 s on a 2-core machine)."""
     settings = Settings(engine=EngineConfig(model="embedded", quantization="int8", max_rows=8,
                                             kv_cache_bytes=64 << 20), port=free_port())
     srv = LiveServer(settings).start()
     huge = "The quick brown fox jumps over the lazy dog while counting sheep. " * 3100
 
     async def stream(client, i, arrivals):
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
                 "stream": True, "return_token_ids": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -85,7 +86,7 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
             while min(len(a) for a in arrivals.values()) < 10:  # all decoding
                 await asyncio.sleep(0.01)
             c0 = time.monotonic()
-            await asyncio.sleep(1.5)  # the quiet window
+            await asyncio.sleep(3.0)  # the quiet window
             t0 = time.monotonic()
             r = await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 4})
             t1 = time.monotonic()
@@ -111,7 +112,7 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
     quiet = worst_extra(lambda a, b: a >= c0 and b < t0)
     print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms "
           f"(quiet window: {quiet * 1e3:.1f} ms)")
-    assert t1 - t0 > 0.1  # the prompt really cost the front end time
+    assert 0.1 < t1 - t0 <= t0 - c0  # the prompt really cost the front end time, less than the quiet window
     assert max(arrivals[0]) > t1  # the streams were still live after it
     assert during <= max(0.05, quiet)
 
