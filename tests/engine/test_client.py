@@ -127,10 +127,12 @@ async def test_a_step_for_many_streams_resumes_them_a_group_per_event_loop_pass(
         counts = []
 
         async def consume(stream):
-            got = 0
+            got, first = 0, True
             async for d in stream:
                 got += len(d.token_ids)
-                resumed[passes[0]] = resumed.get(passes[0], 0) + 1
+                if not first:  # the first delta may be there when the consumer starts: no wake-up
+                    resumed[passes[0]] = resumed.get(passes[0], 0) + 1
+                first = False
             counts.append(got)
 
         # submitted together, so the engine's steps carry every row
