@@ -16,6 +16,10 @@ at the engine's next step boundary.
 
 If the engine process dies (its loop failed, or it was killed), `alive` turns False at once, every
 open stream ends with an error delta, calls in flight raise `EngineDead`, and `on_death` is called.
+
+A server with several front-end processes starts the engine itself (`EngineProcess`, with one
+outbox per front end); each front end's client then attaches to it (`Attach`): same API, except
+that `shutdown` leaves the engine to the process that started it.
 """
 
 from __future__ import annotations
@@ -133,12 +137,62 @@ class RequestStream:
         self.abort()
 
 
+class EngineProcess:
+    """The engine process, as its parent sees it: `python -m engine.process`, a fresh interpreter
+    (nothing of the parent, threads, CUDA state or its main module, is inherited), given its
+    config and endpoints on stdin."""
+
+    def __init__(self, config: EngineConfig, ends: ipc.Endpoints, log_level: int = logging.INFO) -> None:
+        self.ends = ends
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.process", str(os.getpid()), str(log_level)],
+                                     stdin=subprocess.PIPE)
+        self.proc.stdin.write(msgspec.json.encode(config) + b"\n" + msgspec.json.encode(ends))
+        self.proc.stdin.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def shutdown(self, timeout: float = 10.0) -> int:
+        """Ask the engine to stop (it ends every request), kill it if it does not within `timeout`;
+        its exit code. For a parent that holds no EngineClient of its own (blocking)."""
+        if self.proc.poll() is None:
+            ctx = zmq.Context(1)
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(self.ends.inbox)
+            sock.send(ipc.encoder().encode(ipc.Shutdown()))
+            sock.close()
+            ctx.term()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine did not stop within %.0f s; killing it", timeout)
+                self.proc.kill()
+        code = self.proc.wait()
+        shutil.rmtree(self.ends.dir, ignore_errors=True)
+        return code
+
+
+class Attach(msgspec.Struct, frozen=True):
+    """How a front end reaches an engine process that another process started: the endpoints,
+    which outbox is this front end's, and the engine's pid (to see it end)."""
+
+    ends: ipc.Endpoints
+    index: int
+    engine_pid: int
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, on_death: Callable[[str], None] | None = None,
-                 log_level: int = logging.INFO) -> None:
+                 log_level: int = logging.INFO, attach: Attach | None = None,
+                 limits: ipc.Limits | None = None) -> None:
         self.config = config
         self.on_death = on_death  # called once, on the event loop, if the engine process dies
         self.log_level = log_level
+        self.attach = attach  # None: this client starts (and owns) the engine process
+        self.limits = limits  # admission limits sent with every request (the engine applies them)
+        self.index = attach.index if attach is not None else 0
         self.info: ipc.EngineInfo | None = None
         self.stats: ipc.EngineStats | None = None  # the newest snapshot the engine published
         self.on_step: Callable[[ipc.StepOutputs], None] | None = None  # metrics, on the event loop
@@ -147,34 +201,35 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._encode = ipc.encoder().encode
-        self._proc = None
+        self._engine: EngineProcess | None = None
+        self._engine_pid: int | None = None
+        self._pidfd: int | None = None
         self._receiver: asyncio.Task | None = None
         self._stopping = False
+        self._reaped = False
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> ipc.EngineInfo:
-        """Start the engine process and wait until it is loaded and warm. Raises RuntimeError
-        (with the engine's reason) if it fails to start."""
+        """Start the engine process (or attach to one another process started) and wait until it
+        is loaded and warm. Raises RuntimeError (with the engine's reason) if it fails to start."""
         self._loop = asyncio.get_running_loop()
-        in_addr, out_addr = ipc.endpoints()
-        self._dir = in_addr[len("ipc://"):].rsplit("/", 1)[0]
+        ends = self.attach.ends if self.attach is not None else ipc.endpoints(1)
         self._ctx = zmq.Context(1)
         self._actx = zmq.asyncio.Context(1)
-        self._inbox = self._ctx.socket(zmq.PUSH)
-        self._inbox.setsockopt(zmq.LINGER, 0)
-        self._inbox.bind(in_addr)
         self._outbox = self._actx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
-        self._outbox.bind(out_addr)
-        # a fresh interpreter (`python -m engine.process`), its config on stdin: nothing of this
-        # process (threads, CUDA state, the caller's main module) is inherited
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.process", in_addr, out_addr, str(os.getpid()), str(self.log_level)],
-            stdin=subprocess.PIPE)
-        self._proc.stdin.write(msgspec.json.encode(self.config))
-        self._proc.stdin.close()
+        self._outbox.bind(ends.outs[self.index])
+        self._inbox = self._ctx.socket(zmq.PUSH)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.connect(ends.inbox)
         self._exited = self._loop.create_future()
-        threading.Thread(target=self._wait_exit, name="s5serve-engine-watch", daemon=True).start()
+        if self.attach is None:
+            self._engine = EngineProcess(self.config, ends, self.log_level)
+            self._engine_pid = self._engine.pid
+            threading.Thread(target=self._wait_exit, name="s5serve-engine-watch", daemon=True).start()
+        else:
+            self._engine_pid = self.attach.engine_pid
+            self._watch_foreign(self.attach.engine_pid)
         decode = ipc.decoder(ipc.FromEngine).decode
         first = asyncio.ensure_future(self._outbox.recv(copy=False))
         done, _ = await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
@@ -197,7 +252,8 @@ class EngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """The engine process's pid."""
+        return self._engine_pid
 
     @property
     def num_active(self) -> int:
@@ -205,11 +261,13 @@ class EngineClient:
         return len(self._streams)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (it ends every request), then release the sockets."""
+        """Stop the engine process, if this client started it (it ends every request), then
+        release the sockets."""
         self._stopping = True
-        if self._proc is None:
+        if self._engine is None:  # attached: the engine is its starter's to stop
+            await self._reap()
             return
-        if self._proc.poll() is None and self.error is None:
+        if self._engine.proc.poll() is None and self.error is None:
             self._send(ipc.Shutdown())
             try:
                 await asyncio.wait_for(asyncio.shield(self._exited), timeout)
@@ -218,31 +276,49 @@ class EngineClient:
         await self._reap()
 
     async def _reap(self) -> None:
-        self._stopping = True
-        if self._proc.poll() is None:
-            self._proc.kill()
-        await asyncio.shield(self._exited)
+        if self._reaped:
+            return
+        self._reaped = self._stopping = True
+        if self._engine is not None:
+            if self._engine.proc.poll() is None:
+                self._engine.proc.kill()
+            await asyncio.shield(self._exited)
+            shutil.rmtree(self._engine.ends.dir, ignore_errors=True)
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
         if self._receiver is not None:
             self._receiver.cancel()
         self._inbox.close()
         self._outbox.close()
         self._ctx.term()
         self._actx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _wait_exit(self) -> None:
         """On a thread of its own: the moment the process ends, tell the event loop."""
-        code = self._proc.wait()
+        code = self._engine.proc.wait()
         try:
             self._loop.call_soon_threadsafe(self._on_exit, code)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass
 
-    def _on_exit(self, code: int) -> None:
+    def _watch_foreign(self, pid: int) -> None:
+        """An engine another process started: its pidfd turns readable the moment it ends (Linux)."""
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._on_exit(None)
+            return
+        self._loop.add_reader(self._pidfd, self._on_exit, None)
+
+    def _on_exit(self, code: int | None) -> None:
+        if self._pidfd is not None:  # a pidfd stays readable: one call is enough
+            self._loop.remove_reader(self._pidfd)
         if not self._exited.done():
             self._exited.set_result(code)
         if not self._stopping:
-            self._die(self.error or f"engine process exited (code {code})")
+            self._die(self.error or ("engine process exited" + (f" (code {code})" if code is not None else "")))
 
     def _die(self, why: str) -> None:
         first = self.error is None
@@ -332,7 +408,7 @@ class EngineClient:
             self._streams[stream.request_id] = stream
         try:
             try:
-                self._send(ipc.Submit(call_id, request))
+                self._send(ipc.Submit(call_id, self.index, request, self.limits))
             except (OverflowError, msgspec.EncodeError) as exc:  # a value no 64-bit field holds
                 self._calls.pop(call_id, None)
                 raise EngineError(f"the request holds a value out of range: {exc}") from exc
@@ -353,7 +429,7 @@ class EngineClient:
     async def call(self, method: str, *args: Any) -> Any:
         """Run an engine verb (ipc.CALLS) between steps; its result, or the EngineError it raised."""
         call_id, fut = self._future()
-        self._send(ipc.Call(call_id, method, list(args)))
+        self._send(ipc.Call(call_id, self.index, method, list(args)))
         return await fut
 
     # typed faces of `call`
@@ -374,6 +450,11 @@ class EngineClient:
 
     async def session_tokens(self, session_id: str, owner: str | None = None) -> list[int]:
         return await self.call("session_tokens", session_id, owner)
+
+    async def cancel(self, request_id: str, owner: str | None = None) -> bool:
+        """End a request of `owner` (and its n completions), whichever front end submitted it;
+        False when no such request of this owner is in flight."""
+        return await self.call("cancel", request_id, owner)
 
     async def expire_idle(self, ttl_seconds: float) -> list[str]:
         return await self.call("expire_idle", ttl_seconds)

@@ -1,13 +1,17 @@
-"""The wire between the front end and the engine process: typed messages, MessagePack-encoded
-(msgspec), over two ZeroMQ PUSH/PULL sockets on local IPC endpoints.
+"""The wire between the front ends and the engine process: typed messages, MessagePack-encoded
+(msgspec), over ZeroMQ PUSH/PULL sockets on local IPC endpoints.
 
-    front end  --ToEngine-->   engine process    Submit, Abort, Call, Shutdown
-    front end  <--FromEngine-- engine process    Started, StepOutputs, Reply, Failed
+    front end i  --ToEngine-->   engine process    Submit, Abort, Call, Shutdown    (one inbox, shared)
+    front end i  <--FromEngine-- engine process    Started, StepOutputs, Reply, Failed  (outbox i)
 
-One `StepOutputs` carries every row's outputs of one engine step (never one message per token).
-A `Call` names one of `CALLS`, the engine verbs the front end may use; its `Reply` carries the
-verb's result or the `EngineError` it raised. Replies and outputs travel on the same socket in the
-order the engine produced them, so a request's `Reply` always precedes its first output.
+A server has one or more front ends (`Endpoints.outs`, one each); the engine binds the shared
+inbox and connects one outbox to each front end. A `Submit` or `Call` names its front end
+(`client`): the request's outputs and the call's reply go back to that front end only. One
+`StepOutputs` carries every row of one engine step that belongs to that front end (never one
+message per token). A `Call` names one of `CALLS`, the engine verbs a front end may use; its
+`Reply` carries the verb's result or the `EngineError` it raised. Replies and outputs travel on
+the same socket in the order the engine produced them, so a request's `Reply` always precedes its
+first output.
 """
 
 from __future__ import annotations
@@ -24,13 +28,23 @@ from engine.core.types import FinishReason, Request, TokenLogprobs
 # and RESPONSE_CALLS, methods of the engine's ResponseStore).
 RESPONSE_CALLS = ("put_response", "get_response", "response_chain", "delete_response")
 CALLS = ("create_session", "close_session", "reset_session", "release_row", "session_info", "session_tokens",
-         "session_tail", "expire_idle", "stats", "check_invariants", *RESPONSE_CALLS)
+         "session_tail", "expire_idle", "cancel", "stats", "check_invariants", *RESPONSE_CALLS)
+
+
+class Limits(msgspec.Struct, array_like=True, frozen=True):
+    """Admission limits over every front end's requests, applied by the engine (which alone sees
+    them all). A request with n completions counts once."""
+
+    max_in_flight: int | None = None  # requests waiting or running, over all tenants
+    max_per_owner: int | None = None  # requests waiting or running of one tenant (API key)
 
 
 # ---- front end -> engine --------------------------------------------------------------------------
 class Submit(msgspec.Struct, tag="submit", array_like=True):
     call_id: int  # the Reply says whether the engine accepted the request
+    client: int  # the front end that sent it: its outputs go there
     request: Request
+    limits: Limits | None = None  # the server's admission limits (the engine applies them)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -39,6 +53,7 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
 
 class Call(msgspec.Struct, tag="call", array_like=True):
     call_id: int
+    client: int  # the front end that called: the Reply goes there
     method: str  # one of CALLS
     args: list[Any]
 
@@ -122,12 +137,19 @@ FromEngine = Started | StepOutputs | Reply | Failed
 STATS_PERIOD_S = 0.05
 
 
-def endpoints(tag: str | None = None) -> tuple[str, str]:
-    """Two fresh IPC endpoints (front end -> engine, engine -> front end) in a private temp dir."""
+class Endpoints(msgspec.Struct, frozen=True):
+    """Where one engine and its front ends meet: the engine's inbox, one outbox per front end."""
+
+    dir: str  # a private directory holding the IPC files
+    inbox: str
+    outs: list[str]
+
+
+def endpoints(num_clients: int = 1) -> Endpoints:
+    """Fresh IPC endpoints for an engine and `num_clients` front ends, in a private temp dir."""
     base = tempfile.mkdtemp(prefix="s5serve-")
     os.chmod(base, 0o700)
-    name = tag or str(os.getpid())
-    return f"ipc://{base}/{name}-in", f"ipc://{base}/{name}-out"
+    return Endpoints(base, f"ipc://{base}/in", [f"ipc://{base}/out-{i}" for i in range(num_clients)])
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -1,16 +1,18 @@
 """The engine process: the one owner of the model, the KV pool and the device.
 
-`run_engine` is the process's entry point (the front end starts it through `EngineClient`). It
-loads the engine, warms it up, announces `Started`, then loops:
+`run_engine` is the process's entry point (whoever starts it passes the `ipc.Endpoints`: one
+shared inbox, one outbox per front end). It loads the engine, warms it up, announces `Started` to
+every front end, then loops:
 
     drain commands (Submit, Abort, Call) without blocking while there is work, or wait for one
-    when idle -> one `Engine.step()` -> one `StepOutputs` message for every row it touched
+    when idle -> one `Engine.step()` -> one `StepOutputs` message per front end with rows in it
 
-It never waits for the front end: outputs are pushed (ZeroMQ queues them) and the next step runs.
-When idle it checks the engine's invariants once (counted in the published stats). It ends on
-`Shutdown`, and dies with its parent: the kernel kills it if the parent process goes (Linux), and a
-watchdog thread exits if the parent's pid changes. SIGINT and SIGTERM are the parent's to handle
-(a terminal's Ctrl-C reaches the whole process group): the parent drains, then shuts it down.
+It never waits for a front end: outputs are pushed (ZeroMQ queues them) and the next step runs.
+Each request's outputs go to the front end that submitted it. When idle it checks the engine's
+invariants once (counted in the published stats). It ends on `Shutdown`, and dies with its parent:
+the kernel kills it if the parent process goes (Linux), and a watchdog thread exits if the
+parent's pid changes. SIGINT and SIGTERM are the parent's to handle (a terminal's Ctrl-C reaches
+the whole process group): the parent drains, then shuts it down.
 """
 
 from __future__ import annotations
@@ -36,18 +38,21 @@ log = logging.getLogger("s5serve.engine")
 IDLE_POLL_MS = 500  # an idle engine wakes this often to notice a vanished parent and stay responsive
 
 
-def run_engine(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int, log_level: int) -> None:
+def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_level: int) -> None:
     """Entry point of the engine process. Exits 0 after a Shutdown, 1 if the engine failed."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     ctx = zmq.Context(1)
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)  # outputs queued at exit still reach the front end
-    outbox.connect(out_addr)
+    inbox.bind(ends.inbox)
+    outboxes = []
+    for addr in ends.outs:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 2000)  # outputs queued at exit still reach the front end
+        out.connect(addr)
+        outboxes.append(out)
     encode = ipc.encoder().encode
     try:
         engine = Engine(config)
@@ -56,26 +61,26 @@ def run_engine(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: in
         engine.grammars.wait_built()
     except Exception as exc:
         log.exception("the engine failed to start")
-        outbox.send(encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
-        _close(ctx, inbox, outbox)
+        _broadcast(outboxes, encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
+        _close(ctx, inbox, *outboxes)
         sys.exit(1)
     # Everything allocated so far (model, tokenizer, pool) lives as long as the process: out of the
     # collector's view, full collections stay short while serving.
     gc.collect()
     gc.freeze()
     info = ipc.EngineInfo(engine.model_name, engine.max_model_len, engine.geometry.vocab_size, os.getpid())
-    outbox.send(encode(ipc.Started(info)))
-    core = EngineCore(engine, outbox)
+    _broadcast(outboxes, encode(ipc.Started(info)))
+    core = EngineCore(engine, outboxes)
     code = 0
     try:
         core.serve(inbox)
     except Exception as exc:
         log.exception("the engine loop died")
-        outbox.send(encode(ipc.Failed(f"engine failed: {type(exc).__name__}: {exc}")))
+        _broadcast(outboxes, encode(ipc.Failed(f"engine failed: {type(exc).__name__}: {exc}")))
         code = 1
     finally:
         engine.close()
-        _close(ctx, inbox, outbox)
+        _close(ctx, inbox, *outboxes)
     sys.exit(code)
 
 
@@ -87,13 +92,19 @@ def _warm_up(engine: Engine) -> None:
     engine.stats.update(steps=0, prefill_tokens=0, decode_tokens=0)
 
 
+def _broadcast(outboxes, frame: bytes) -> None:
+    for out in outboxes:
+        out.send(frame)
+
+
 def _close(ctx, *socks) -> None:
     for s in socks:
         s.close()
     ctx.term()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when `parent_pid` (its parent) ends, however that ends."""
     try:  # Linux: the kernel sends SIGKILL when the parent goes, however it goes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -111,17 +122,21 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class EngineCore:
-    """The loop around one Engine: commands in, one message per step out."""
+    """The loop around one Engine: commands in, one message per step per front end out."""
 
-    def __init__(self, engine: Engine, outbox) -> None:
+    def __init__(self, engine: Engine, outboxes: list) -> None:
         self.engine = engine
-        self.outbox = outbox
+        self.outboxes = outboxes  # one per front end, by index
         self.encode = ipc.encoder().encode
         self.decode = ipc.decoder(ipc.ToEngine).decode
         self.running = True
         self.invariant_checks = 0
         self.invariant_failures = 0
         self._stats_at = 0.0
+        # with several front ends: request id (for n completions, the prefix of the forks' ids) ->
+        # [the front end that submitted it, completions not yet finished]. A fork that never ran
+        # (its request ended before the prefill) leaves an entry until the engine next idles.
+        self._route: dict[str, list[int]] = {}
 
     def serve(self, inbox) -> None:
         engine = self.engine
@@ -139,9 +154,10 @@ class EngineCore:
                 t0 = time.perf_counter()
                 outs = engine.step()
                 self._send(outs, time.perf_counter() - t0)
-            elif not checked:  # idle: the books must balance
+            elif not checked:  # idle: the books must balance, and no request is left to route
                 checked = True
                 self._check()
+                self._route.clear()
                 self._send([], 0.0, force_stats=True)
 
     def _drain(self, inbox) -> None:
@@ -160,12 +176,15 @@ class EngineCore:
     def _handle(self, msg) -> None:
         engine = self.engine
         if isinstance(msg, ipc.Submit):
+            limits = msg.limits or ipc.Limits()
             try:
-                engine.add_request(msg.request)
+                engine.add_request(msg.request, limits.max_in_flight, limits.max_per_owner)
             except EngineError as err:
-                self._reply(msg.call_id, error=err)
+                self._reply(msg.client, msg.call_id, error=err)
             else:
-                self._reply(msg.call_id)
+                if len(self.outboxes) > 1:
+                    self._route[msg.request.request_id] = [msg.client, max(1, msg.request.params.n)]
+                self._reply(msg.client, msg.call_id)
         elif isinstance(msg, ipc.Abort):
             outs = [out for rid in msg.request_ids if (out := engine.abort(rid)) is not None]
             if outs:
@@ -176,20 +195,20 @@ class EngineCore:
             fn = (getattr(self, "_" + msg.method, None) or getattr(target, msg.method)) if msg.method in ipc.CALLS \
                 else None
             if fn is None:
-                self._reply(msg.call_id, error=EngineError(f"unknown engine call {msg.method!r}"))
+                self._reply(msg.client, msg.call_id, error=EngineError(f"unknown engine call {msg.method!r}"))
                 return
             try:
                 result = fn(*msg.args)
             except EngineError as err:
-                self._reply(msg.call_id, error=err)
+                self._reply(msg.client, msg.call_id, error=err)
             else:
-                self._reply(msg.call_id, result)
+                self._reply(msg.client, msg.call_id, result)
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
 
-    def _reply(self, call_id: int, result=None, error: EngineError | None = None) -> None:
+    def _reply(self, client: int, call_id: int, result=None, error: EngineError | None = None) -> None:
         wire = ipc.WireError(error.message, error.code, error.param) if error is not None else None
-        self.outbox.send(self.encode(ipc.Reply(call_id, result, wire)))
+        self.outboxes[client].send(self.encode(ipc.Reply(call_id, result, wire)))
 
     def _send(self, outs: list[RequestOutput], seconds: float, force_stats: bool = False) -> None:
         now = time.monotonic()
@@ -199,7 +218,26 @@ class EngineCore:
         if not outs and stats is None:
             return
         # RequestOutput is a tuple of Output's fields: it encodes as the wire's array
-        self.outbox.send(self.encode(ipc.StepOutputs(outs, seconds, stats)))
+        if len(self.outboxes) == 1:
+            self.outboxes[0].send(self.encode(ipc.StepOutputs(outs, seconds, stats)))
+            return
+        parts: list[list[RequestOutput]] = [[] for _ in self.outboxes]
+        route = self._route
+        for out in outs:
+            base = out.request_id.partition("/")[0]
+            entry = route.get(base)
+            if entry is None:  # not submitted through a front end (the warm-up)
+                continue
+            parts[entry[0]].append(out)
+            if out.finished:
+                entry[1] -= 1  # completions left
+                if entry[1] == 0:
+                    del route[base]
+        # the step's time goes with the first message only: summed over front ends, each step counts once
+        for client, part in enumerate(parts):
+            if part or stats is not None:
+                self.outboxes[client].send(self.encode(ipc.StepOutputs(part, seconds, stats)))
+                seconds = 0.0
 
     def _check(self) -> None:
         self.invariant_checks += 1
@@ -227,13 +265,14 @@ class EngineCore:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m engine.process IN_ADDR OUT_ADDR PARENT_PID LOG_LEVEL`, the EngineConfig as JSON
-    on stdin (EngineClient starts it so)."""
+    """`python -m engine.process PARENT_PID LOG_LEVEL`, the EngineConfig and the ipc.Endpoints as
+    JSON lines on stdin (EngineProcess starts it so)."""
     import msgspec
 
-    in_addr, out_addr, parent_pid, log_level = argv
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
-    run_engine(config, in_addr, out_addr, int(parent_pid), int(log_level))
+    parent_pid, log_level = argv
+    config_line, ends_line = sys.stdin.buffer.read().split(b"\n", 1)
+    config = msgspec.json.decode(config_line, type=EngineConfig)
+    run_engine(config, msgspec.json.decode(ends_line, type=ipc.Endpoints), int(parent_pid), int(log_level))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """create_app(): the FastAPI application and its lifespan (start the engine process, serve, drain).
 
 The front end (this process) handles HTTP, tokenizes, detokenizes and frames SSE; the engine runs
-in a process of its own, reached only through `EngineClient` (engine/client.py).
+in a process of its own, reached only through `EngineClient` (engine/client.py). With several
+front ends (`s5serve serve --api-servers N`, service/frontends.py) the engine is started by their
+parent and each app attaches to it (`FrontEnd`).
 """
 
 from __future__ import annotations
@@ -12,26 +14,41 @@ import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI
 
-from engine.client import EngineClient, EngineDead
+import msgspec
+
+from engine import ipc
+from engine.client import Attach, EngineClient, EngineDead
 from engine.model.loader import load_tokenizer
 from service.logprobs import TokenText
 from service import chat, errors
-from service.metrics import Metrics
+from service.metrics import Metrics, SharedMetrics
 from service.routes import ops, openai, responses, sessions
 from service.settings import Settings
-from service.turns import InFlight, TokenizerPool
+from service.turns import WARM_UP, InFlight, TokenizerPool
 
 log = logging.getLogger("s5serve")
+
+
+class FrontEnd(msgspec.Struct, frozen=True):
+    """One of several front-end processes: the engine it attaches to, and where the front ends
+    share their metrics."""
+
+    attach: Attach
+    metrics_dir: str
 
 
 class AppState:
     """What the routes share: the engine client (the only path to the engine), requests in
     flight, metrics and lifecycle flags."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, front_end: FrontEnd | None = None):
         self.settings = settings
+        self.front_end = front_end  # None: the only front end, which starts the engine itself
+        self.shared_metrics = (SharedMetrics(front_end.metrics_dir, front_end.attach.index)
+                               if front_end is not None else None)
         self.engine: EngineClient | None = None
         self.model_name = settings.served_model_name or ""
         self.tokenizer = None
@@ -49,22 +66,27 @@ class AppState:
         self.tokenizer_pool = TokenizerPool()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, front_end: FrontEnd | None = None) -> FastAPI:
     settings = settings or Settings()
-    state = AppState(settings)
+    state = AppState(settings, front_end)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.metrics.watch_gc(True)
-        tasks = [asyncio.create_task(_start(state)), asyncio.create_task(_expire(state)),
-                 asyncio.create_task(_loop_lag(state))]
+        tasks = [asyncio.create_task(_start(app, state)), asyncio.create_task(_loop_lag(state))]
+        if front_end is None or front_end.attach.index == 0:  # one front end evicts for all
+            tasks.append(asyncio.create_task(_expire(state)))
+        if state.shared_metrics is not None:
+            tasks.append(asyncio.create_task(_publish_metrics(state)))
         try:
             yield
         finally:
             state.draining = True
             for t in tasks:
                 t.cancel()
+            if state.shared_metrics is not None:
+                state.shared_metrics.publish(state.metrics)  # the last of this front end's counts
             if state.engine is not None:
                 await state.engine.shutdown()
             state.tokenizer_pool.close()
@@ -84,10 +106,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _start(state: AppState) -> None:
+async def _start(app: FastAPI, state: AppState) -> None:
     """Start the engine process and load the tokenizer beside it; ready once both are."""
-    client = EngineClient(state.settings.engine, on_death=lambda why: _engine_died(state, why),
-                          log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    settings = state.settings
+    client = EngineClient(settings.engine, on_death=lambda why: _engine_died(state, why),
+                          log_level=logging.getLogger().getEffectiveLevel() or logging.INFO,
+                          attach=state.front_end.attach if state.front_end is not None else None,
+                          limits=ipc.Limits(settings.max_queued, settings.max_requests_per_key))
     state.engine = client
     try:
         tokenizer, info = await asyncio.gather(asyncio.to_thread(load_tokenizer, state.settings.engine),
@@ -98,6 +123,7 @@ async def _start(state: AppState) -> None:
         state.max_model_len = info.max_model_len
         state.model_name = state.model_name or info.model_name
         client.on_step = state.metrics.on_step
+        await _warm_up(app, state)
         # What startup built (modules, the tokenizer's tables) lives as long as the server: moved
         # out of the collector's generations, a full collection walks only what requests allocate.
         gc.collect()
@@ -110,6 +136,28 @@ async def _start(state: AppState) -> None:
         state.load_error = str(exc)
         if state.on_fatal is not None:
             state.on_fatal()
+
+
+async def _warm_up(app: FastAPI, state: AppState) -> None:
+    """One short streamed completion through this front end's own routes before it reports
+    ready: a front end's first request pays one-time costs (validators built, code paths run for
+    the first time) that would otherwise hold up the first clients' requests. It is counted in
+    no metric."""
+    metrics, state.metrics = state.metrics, Metrics()
+    mark = WARM_UP.set(True)
+    keys = state.settings.api_keys
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    body = {"prompt": [2, 3, 4], "max_tokens": 2, "stream": True}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up") as c:
+            r = await c.post("/v1/completions", json=body, headers=headers)
+            if r.status_code != 200:
+                log.warning("front-end warm-up answered %d: %s", r.status_code, r.text[:200])
+    except Exception as exc:  # the engine is up: serve anyway, only the first request pays more
+        log.warning("front-end warm-up failed: %s: %s", type(exc).__name__, exc)
+    finally:
+        WARM_UP.reset(mark)
+        state.metrics = metrics
 
 
 def _engine_died(state: AppState, why: str, settle: float = 1.0) -> None:
@@ -131,6 +179,13 @@ async def _loop_lag(state: AppState, period: float = 0.02) -> None:
         t0 = loop.time()
         await asyncio.sleep(period)
         state.metrics.observe_loop_lag(max(0.0, loop.time() - t0 - period))
+
+
+async def _publish_metrics(state: AppState, period: float = 1.0) -> None:
+    """With several front ends: this one's measurements, for /metrics on any of them."""
+    while True:
+        await asyncio.sleep(period)
+        state.shared_metrics.publish(state.metrics)
 
 
 async def _expire(state: AppState) -> None:

@@ -37,6 +37,10 @@ def _serve(argv: list[str]) -> int:
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
         embedded_dir(settings.engine.cache_dir, report=lambda line: print(line, flush=True))
+    if settings.front_ends() > 1:
+        from service import frontends
+
+        return frontends.serve(settings)
     app = create_app(settings)
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                                            access_log=settings.access_log,

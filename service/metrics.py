@@ -1,14 +1,23 @@
-"""Prometheus metrics, on a registry owned by the app (no process globals)."""
+"""Prometheus metrics, on registries owned by the app (no process globals).
+
+Two kinds: what the engine's published stats say (`Metrics.registry`: load, KV use, sessions,
+swaps; the same in every front end), and what this front end measured itself (`Metrics.own`:
+latencies, tokens, requests, its event loop). With several front-end processes each writes its
+own measurements to a shared directory (`SharedMetrics`) about once a second, and /metrics, on
+whichever front end answers it, adds the others' to its own: counters and histograms summed,
+gauges (maxima) by their largest value.
+"""
 
 from __future__ import annotations
 
 import gc
+import os
 import time
-
 from bisect import bisect_left
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -53,7 +62,8 @@ class LoopCounter:
 
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.registry = CollectorRegistry()  # from the engine's stats
+        own = self.own = CollectorRegistry()  # this front end's measurements
         self.queued = Gauge("s5_requests_queued", "Requests waiting for admission", registry=r)
         self.running = Gauge("s5_requests_running", "Requests holding a row and running", registry=r)
         self.kv_utilization = Gauge("s5_kv_block_utilization", "Share of paged KV blocks in use", registry=r)
@@ -65,19 +75,19 @@ class Metrics:
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", registry=r)
         self.vllm_running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of paged KV blocks in use (0..1)", registry=r)
-        self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=r)
+        self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=own)
         self.itl = LoopHistogram("s5_inter_token_latency_seconds", "Time between tokens", LATENCY)
-        r.register(self.itl)
-        self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=r)
-        self.step = Histogram("s5_step_seconds", "Engine step time", buckets=LATENCY, registry=r)
-        self.prompt_tokens = Counter("s5_prompt_tokens", "Prompt tokens received", registry=r)
-        self.prefill_tokens = Counter("s5_prefill_tokens", "Tokens prefilled (computed)", registry=r)
-        self.cached_tokens = Counter("s5_cached_tokens", "Prompt tokens reused from session rows", registry=r)
+        own.register(self.itl)
+        self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=own)
+        self.step = Histogram("s5_step_seconds", "Engine step time", buckets=LATENCY, registry=own)
+        self.prompt_tokens = Counter("s5_prompt_tokens", "Prompt tokens received", registry=own)
+        self.prefill_tokens = Counter("s5_prefill_tokens", "Tokens prefilled (computed)", registry=own)
+        self.cached_tokens = Counter("s5_cached_tokens", "Prompt tokens reused from session rows", registry=own)
         self.generation_tokens = LoopCounter("s5_generation_tokens", "Tokens generated")
-        r.register(self.generation_tokens)
-        self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=r)
-        self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=r)
-        self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=r)
+        own.register(self.generation_tokens)
+        self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=own)
+        self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=own)
+        self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=own)
         self.swaps = Counter("s5_session_swaps", "Session rows moved to host memory (out) and back (in)",
                              ["direction"], registry=r)
         self.resumes = Counter("s5_session_resumes", "Session rows brought back for a turn: swap-in (from host "
@@ -88,11 +98,11 @@ class Metrics:
                                     "(a session whose write failed continues in memory only)", registry=r)
         self.swapped_bytes = Gauge("s5_swapped_kv_bytes", "Host bytes of swapped session rows", registry=r)
         self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
-                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
-        self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=r)
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=own)
+        self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=own)
         self._lag_max = 0.0
         self.gc_pause = Histogram("s5_gc_pause_seconds", "Front-end garbage collections (they stop the event loop)",
-                                  ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=r)
+                                  ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=own)
         self._gc_pause_by_generation = [self.gc_pause.labels(str(g)) for g in range(3)]
         self._gc_started = 0.0
         self.invariant_checks = Counter("s5_invariant_checks", "Engine invariant checks run while idle", registry=r)
@@ -150,5 +160,73 @@ class Metrics:
         elif self._gc_started:
             self._gc_pause_by_generation[info["generation"]].observe(time.perf_counter() - self._gc_started)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, others: list[list] = ()) -> bytes:
+        """The exposition: the engine's stats, and this front end's measurements plus `others`
+        (other front ends' `snapshot()`s)."""
+        own = self.own if not others else _Merged([self.snapshot(), *others])
+        return generate_latest(self.registry) + generate_latest(own)
+
+    def snapshot(self) -> list:
+        """This front end's measurements as plain data: [name, type, help, [[sample, labels,
+        value], ...]] per family."""
+        return [[f.name, f.type, f.documentation, [[x.name, x.labels, x.value] for x in f.samples]]
+                for f in self.own.collect()]
+
+
+class _Merged:
+    """A collector of several front ends' snapshots, added up."""
+
+    def __init__(self, snapshots: list[list]) -> None:
+        self.snapshots = snapshots
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, tuple[Metric, dict]] = {}
+        for snap in self.snapshots:
+            for name, kind, doc, samples in snap:
+                if name not in families:
+                    families[name] = (Metric(name, doc, kind), {})
+                values = families[name][1]
+                for sample, labels, value in samples:
+                    key = (sample, tuple(sorted(labels.items())))
+                    if key not in values:
+                        values[key] = value
+                    elif kind == "gauge":  # the front end's only gauge is a maximum
+                        values[key] = max(values[key], value)
+                    elif sample.endswith("_created"):
+                        values[key] = min(values[key], value)
+                    else:
+                        values[key] += value
+        out = []
+        for metric, values in families.values():
+            for (sample, labels), value in values.items():
+                metric.add_sample(sample, dict(labels), value)
+            out.append(metric)
+        return out
+
+
+class SharedMetrics:
+    """Several front ends' measurements, through files in one directory (`<index>.json`, each
+    replaced whole): `publish` this front end's, `others` to read the rest."""
+
+    def __init__(self, directory: str, index: int) -> None:
+        self.directory, self.index = directory, index
+        self._encode = msgspec.json.Encoder().encode
+        self._decode = msgspec.json.Decoder(list).decode
+
+    def publish(self, metrics: Metrics) -> None:
+        path = os.path.join(self.directory, f"{self.index}.json")
+        with open(path + ".tmp", "wb") as f:
+            f.write(self._encode(metrics.snapshot()))
+        os.replace(path + ".tmp", path)
+
+    def others(self) -> list[list]:
+        snaps = []
+        for name in sorted(os.listdir(self.directory)):
+            if not name.endswith(".json") or name == f"{self.index}.json":
+                continue
+            try:
+                with open(os.path.join(self.directory, name), "rb") as f:
+                    snaps.append(self._decode(f.read()))
+            except (OSError, msgspec.DecodeError):  # gone meanwhile, or not ours
+                continue
+        return snaps

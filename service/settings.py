@@ -43,6 +43,18 @@ class Settings:
     # server closes first, a request the client sends on that connection at the same moment fails.
     keep_alive_s: float = 75.0
     access_log: bool = True  # one line per request on the server's log (uvicorn's access log)
+    # HTTP front-end processes sharing the port (each tokenizes, detokenizes and frames SSE for its
+    # own connections; one engine process serves them all). None: `front_ends()` decides.
+    api_servers: int | None = None
+
+    def front_ends(self) -> int:
+        """`api_servers`, or where unset: one on the CPU (the engine wants the cores), on CUDA one
+        per 4 cores up to 4 (one front end keeps up with about 64 streams of a small model)."""
+        if self.api_servers is not None:
+            return self.api_servers
+        if not self.engine.device.startswith("cuda"):
+            return 1
+        return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def default_session_db() -> str:
@@ -69,6 +81,18 @@ def show_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return str(n)
+
+
+def _auto_or_positive_int(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def parse_on_off(text: str) -> bool:
@@ -228,6 +252,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "on SIGTERM, seconds streams in flight get to finish", parse=float, metavar="SECONDS"),
     Option("--access-log", "access_log", "log one line per HTTP request",
            parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
+    Option("--api-servers", "api_servers",
+           "HTTP front-end processes sharing the port, all served by one engine process: more keep up "
+           "with more streams (each takes a core)", parse=_auto_or_positive_int,
+           show=_none_or(str, "auto: 1 on the CPU; on CUDA 1 per 4 cores, at most 4"), metavar="N|auto"),
 )
 
 

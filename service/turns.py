@@ -1,17 +1,17 @@
 """From a validated body to an engine request and back: sampling params, tokenization off the
 event loop, admission (429/503), text for the client (detokenized here, in the front end),
-metering, ownership of requests in flight, and cancellation when the client goes away. Shared by
+metering, the requests in flight, and cancellation when the client goes away. Shared by
 the OpenAI routes and the session routes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -25,41 +25,36 @@ from engine.core.types import EngineError, TokenLogprobs
 from service import chat
 from service.errors import APIError, from_engine, valid_text
 
+# Set (for its own task) by the front end's warm-up request, which runs before the front end is ready.
+WARM_UP: contextvars.ContextVar[bool] = contextvars.ContextVar("s5serve_warm_up", default=False)
+
 # Texts longer than this are tokenized (and chat templates rendered) on a worker thread, so a huge
 # prompt does not hold up the event loop; shorter ones cost less than the hop.
 OFF_LOOP_CHARS = 2048
 
 
 class InFlight:
-    """Requests in flight (submitted, not finished or abandoned): request id -> tenant, with a
-    count per tenant for the per-key limit."""
+    """This front end's requests in flight (submitted, not finished or abandoned), by id: what a
+    drain waits for. Admission limits are the engine's (it sees every front end's requests)."""
 
     def __init__(self) -> None:
-        self._owner: dict[str, str | None] = {}
-        self._count: Counter[str | None] = Counter()
+        self._ids: set[str] = set()
 
-    def add(self, request_id: str, owner: str | None) -> None:
-        self._owner[request_id] = owner
-        self._count[owner] += 1
+    def add(self, request_id: str) -> None:
+        self._ids.add(request_id)
 
     def discard(self, request_id: str) -> bool:
         """Forget the request; False if it was not in flight."""
-        if request_id not in self._owner:
+        if request_id not in self._ids:
             return False
-        self._count[self._owner.pop(request_id)] -= 1
+        self._ids.discard(request_id)
         return True
 
-    def owned_by(self, request_id: str, owner: str | None) -> bool:
-        return request_id in self._owner and self._owner[request_id] == owner
-
-    def count(self, owner: str | None) -> int:
-        return self._count[owner]
-
     def ids(self) -> list[str]:
-        return list(self._owner)
+        return list(self._ids)
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._ids)
 
 
 class TokenizerPool:
@@ -142,7 +137,7 @@ def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | N
 def require_ready(state) -> None:
     if state.draining:
         raise APIError(503, state.fatal or "server is draining", "draining", headers={"Retry-After": "5"})
-    if not state.ready or state.engine is None or not state.engine.alive:
+    if not (state.ready or WARM_UP.get()) or state.engine is None or not state.engine.alive:
         raise APIError(503, state.load_error or "model is loading", "not_ready", headers={"Retry-After": "5"})
 
 
@@ -198,7 +193,7 @@ class Turn:
     called when the response ends, however it ends) aborts it if it has not finished."""
 
     def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
-                 num_prompt_tokens: int, owner: str | None, fork: bool = False) -> None:
+                 num_prompt_tokens: int, fork: bool = False) -> None:
         self.state = state
         self.fork = fork  # a choice after the first of n: its prompt was the first's prefill
         self.request_id = stream.request_id
@@ -209,7 +204,7 @@ class Turn:
         self.finished = False
         self._stopped = False  # the text reached a stop string: nothing after it is shown
         self._last_arrival: float | None = None
-        state.active.add(self.request_id, owner)
+        state.active.add(self.request_id)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         m = self.state.metrics
@@ -276,13 +271,6 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
     require_ready(state)
     m = state.metrics
     engine = state.engine
-    if engine.num_active >= state.settings.max_queued:
-        m.rejections.labels("queue_full").inc()
-        raise APIError(429, "too many requests in flight; retry later", "queue_full", headers={"Retry-After": "1"})
-    if owner is not None and state.active.count(owner) >= state.settings.max_requests_per_key:
-        m.rejections.labels("too_many_requests").inc()
-        raise APIError(429, f"this key has {state.active.count(owner)} requests in flight, the most allowed; "
-                       "retry later", "too_many_requests", headers={"Retry-After": "1"})
     rid = f"req-{uuid.uuid4().hex}"
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)
@@ -293,7 +281,7 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
         raise
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
-                 else None, len(prompt_ids), owner, fork=i > 0) for i, stream in enumerate(streams)]
+                 else None, len(prompt_ids), fork=i > 0) for i, stream in enumerate(streams)]
 
 
 async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None, list[TokenLogprobs]]:

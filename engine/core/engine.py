@@ -188,10 +188,20 @@ class Engine:
         self.sessions.remove(s, evicted_because)
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Raises EngineError (and changes nothing) if it is invalid."""
+    def add_request(self, request: Request, max_in_flight: int | None = None,
+                    max_per_owner: int | None = None) -> None:
+        """Queue a request. Raises EngineError (and changes nothing) if it is invalid, or if
+        `max_in_flight` requests (of any owner) or `max_per_owner` of its owner are already in
+        flight (`queue_full`, `too_many_requests`)."""
         if request.request_id in self._live:
             raise EngineError("duplicate request id", code="duplicate_request_id")
+        if max_in_flight is not None and self.requests_in_flight() >= max_in_flight:
+            raise EngineError("too many requests in flight; retry later", code="queue_full")
+        if max_per_owner is not None and request.owner is not None:
+            held = self.requests_in_flight(request.owner)
+            if held >= max_per_owner:
+                raise EngineError(f"this key has {held} requests in flight, the most allowed; retry later",
+                                  code="too_many_requests")
         session = self.sessions.get(request.session_id, request.owner) if request.session_id is not None else None
         history = self.sessions.history(session) if session is not None else []
         live = self.planner.plan(request, session, history)
@@ -204,6 +214,20 @@ class Engine:
         if session is not None:
             session.busy = request.request_id
         self.scheduler.add(live.sched)
+
+    def requests_in_flight(self, owner: str | None = None) -> int:
+        """Requests waiting or running (of `owner`, if given); a request's n completions count once."""
+        return len({rid.partition("/")[0] for rid, lv in self._live.items()
+                    if owner is None or lv.request.owner == owner})
+
+    def cancel(self, request_id: str, owner: str | None = None) -> bool:
+        """End a request of `owner` and every completion of it (between steps; their final
+        outputs are in `ended_between_steps`). False when no such request of this owner runs."""
+        ids = [rid for rid, lv in self._live.items() if request_id in (rid, rid.partition("/")[0])
+               and lv.request.owner == owner]
+        for rid in ids:
+            self.ended_between_steps.append(self.abort(rid))
+        return bool(ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now (between steps); rolls its session back. None if unknown."""
