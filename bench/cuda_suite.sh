@@ -54,11 +54,12 @@ case "${2:-}" in
     python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --out "$OUT" --tag moe 2>&1 | tee "$OUT/tune-moe.log"
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --layers fused stock --out "$OUT" ;;
   serve|serve-4b)  # through the HTTP front end (bench/serve.py) against the engine alone, same run;
-    # TOKENIZER (a directory with the embedded model's tokenizer.json) makes the server detokenize
+    # TOKENIZER (a directory with the embedded model's tokenizer.json) makes the server detokenize;
+    # 8 client processes: at 256 streams 4 of them, not the server's front ends, set the pace
     [ "$2" = serve ] && run_tests
     shape=gemma3-1b; [ "$2" = serve-4b ] && shape=gemma3-4b
     python3 -m bench.serve --shape $shape ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda --dtype bfloat16 \
-      --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 4 --out "$OUT" --tag served ;;
+      --n ${SERVE_N:-64 256} --new-tokens 512 --client-procs 8 --out "$OUT" --tag served ;;
   stall)  # the scheduler's decode stall bound: through the server at the default (1 s on CUDA),
     # then the engine alone with the bound off and on and a larger step budget, same run
     timeout 290 python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} \

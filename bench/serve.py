@@ -343,10 +343,13 @@ def engine_settings(a, n: int) -> dict:
 
 
 def start_server(spec: str, a, n: int, port: int, log: Path, target: str = "serve") -> subprocess.Popen:
-    """`s5serve serve`, or for `cluster:R` `s5serve cluster` with R replicas (every replica with
-    the engine settings of N rows, as `serve` has)."""
+    """`s5serve serve`; for `serve:K` with K front-end processes (`--api-servers K`); for
+    `cluster:R` `s5serve cluster` with R replicas (every replica with the engine settings of N
+    rows, as `serve` has)."""
     es = engine_settings(a, n)
     command = ["serve"]
+    if target.startswith("serve:"):
+        command += ["--api-servers", target.split(":", 1)[1]]
     if target.startswith("cluster:"):
         replicas = int(target.split(":", 1)[1])
         command = ["cluster", "--replicas", str(replicas), "--replica-cpus", "0"]
@@ -464,7 +467,8 @@ def main() -> None:
                     help="CPU threads of each engine (OMP_NUM_THREADS of every server and replica, and the "
                          "engine baseline's); compare serve with cluster at the same count")
     ap.add_argument("--targets", nargs="+", default=["serve"],
-                    help="what to start and measure: serve (s5serve serve), cluster:R (s5serve cluster "
+                    help="what to start and measure: serve (s5serve serve), serve:K (with K front-end "
+                         "processes, --api-servers K), cluster:R (s5serve cluster "
                          "with R replicas on Ray Serve), llama.cpp (its llama-server on the embedded model's "
                          "GGUF, built once: bench/llama_cpp.py); cluster rows report their overhead vs serve, "
                          "serve reports its figures over llama.cpp's")
@@ -526,9 +530,9 @@ def main() -> None:
     rows = []
     targets = [None] if a.base_url else a.targets
     for t in targets:
-        if t is not None and t not in ("serve", "llama.cpp") and not (t.startswith("cluster:")
+        if t is not None and t not in ("serve", "llama.cpp") and not (t.startswith(("cluster:", "serve:"))
                                                                    and t.split(":", 1)[1].isdigit()):
-            ap.error(f"--targets: {t!r} is neither serve, cluster:R nor llama.cpp")
+            ap.error(f"--targets: {t!r} is neither serve, serve:K, cluster:R nor llama.cpp")
     peer = None  # llama.cpp's server: its binary, the GGUF, its threads
     if "llama.cpp" in targets:
         if a.model != "embedded" or a.shape or a.device != "cpu":
