@@ -54,7 +54,8 @@ class Settings:
             return self.api_servers
         if not self.engine.device.startswith("cuda"):
             return 1
-        return max(1, min(4, (os.cpu_count() or 1) // 4))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(4, cores // 4))
 
 
 def default_session_db() -> str:

@@ -117,6 +117,49 @@ def server_process(log_path, *args: str):
             proc.kill()
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie is gone, only not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def engine_alone(config, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """The greedy tokens of each prompt from an Engine in this process, one request at a time:
+    what a server on the same config must stream."""
+    from engine import Engine, Request, SamplingParams
+
+    engine = Engine(config)
+    alone = []
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
+        out = []
+        while engine.has_work():
+            for o in engine.step():
+                out += o.new_token_ids
+        alone.append(out)
+    return alone
+
+
+async def stream_ids(client, prompt: list[int], max_tokens: int) -> list[int]:
+    """A streamed greedy /v1/completions through `client` (an httpx.AsyncClient): its token ids."""
+    import json
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    ids = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch["token_ids"]
+    return ids
+
+
 def metric(url: str, name: str, labels: str = "", headers: dict | None = None) -> float:
     """One sample of /metrics, 0.0 when absent."""
     want = name + ("{" + labels + "}" if labels else "")

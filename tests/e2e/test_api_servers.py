@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from engine import Engine, EngineConfig, Request, SamplingParams
-from tests.servers import metric, server_process
+from engine import EngineConfig
+from tests.servers import alive, engine_alone, metric, server_process, stream_ids
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
 FLAGS = ("--model", "tiny-random:3", "--rows", "8", "--kv-cache-bytes", "4M", "--max-num-batched-tokens", "64",
@@ -31,15 +31,6 @@ def _children(pid: int) -> list[int]:
 
 def _cmdline(pid: int) -> str:
     return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, only not yet reaped
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def _all_ready(url: str, timeout: float = 120) -> None:
@@ -65,32 +56,15 @@ def _front_ends_in_log(log, path: str) -> set[str]:
 
 
 async def _stream(url: str, key: str, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
-    ids = []
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for ch in json.loads(line[6:])["choices"]:
-                        ids += ch["token_ids"]
-    return ids
+        return await stream_ids(client, prompt, max_tokens)
 
 
 def test_streams_through_two_front_ends_equal_the_engine_in_process(two):
     proc, url, log = two
     prompts = [[2] + [(31 * i + 7 * t) % 500 + 3 for t in range(5 + 11 * i)] for i in range(12)]
     lengths = [20 + 3 * i for i in range(12)]
-    engine = Engine(TINY)  # the same model (seeded), in this process, one request at a time
-    alone = []
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
-        out = []
-        while engine.has_work():
-            for o in engine.step():
-                out += o.new_token_ids
-        alone.append(out)
+    alone = engine_alone(TINY, prompts, lengths)  # the same model (seeded), in this process
 
     async def run():
         # each on a connection of its own
@@ -189,7 +163,7 @@ def test_a_killed_engine_takes_the_whole_server_down(tmp_path):
                 assert time.monotonic() - t0 < 1, "a front end still answered /health 200 after 1 s"
         assert proc.wait(30) != 0
         deadline = time.monotonic() + 5
-        while any(_alive(k) for k in kids):
+        while any(alive(k) for k in kids):
             assert time.monotonic() < deadline, "a process of the server outlived it"
             time.sleep(0.05)
 
@@ -221,7 +195,7 @@ def test_the_server_drains_and_no_process_outlives_it(tmp_path, sig):
         code = proc.wait(60)
         t.join(30)
         deadline = time.monotonic() + 5
-        while any(_alive(k) for k in kids):
+        while any(alive(k) for k in kids):
             assert time.monotonic() < deadline, f"a process of the server outlived it ({sig.name})"
             time.sleep(0.05)
         if sig == signal.SIGTERM:

@@ -11,43 +11,22 @@ import time
 import httpx
 import pytest
 
-from engine import Engine, EngineConfig, Request, SamplingParams
+from engine import EngineConfig
 from service.settings import Settings
-from tests.servers import LiveServer, free_port
+from tests.servers import LiveServer, engine_alone, free_port, stream_ids
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
-
-
-async def _stream_ids(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
-    ids = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:])["choices"]:
-                    ids += ch["token_ids"]
-    return ids
 
 
 def test_concurrent_streams_equal_the_engine_in_process():
     prompts = [[2] + [(31 * i + 7 * t) % 500 + 3 for t in range(5 + 11 * i)] for i in range(12)]
     lengths = [20 + 3 * i for i in range(12)]
-    engine = Engine(TINY)  # the same model (seeded), in this process, one request at a time
-    alone = []
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
-        out = []
-        while engine.has_work():
-            for o in engine.step():
-                out += o.new_token_ids
-        alone.append(out)
+    alone = engine_alone(TINY, prompts, lengths)  # the same model (seeded), in this process
     srv = LiveServer(Settings(engine=TINY, port=free_port())).start()
     try:
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
-                return await asyncio.gather(*(_stream_ids(client, p, n) for p, n in zip(prompts, lengths)))
+                return await asyncio.gather(*(stream_ids(client, p, n) for p, n in zip(prompts, lengths)))
 
         served = asyncio.run(run())
         srv.wait_idle()

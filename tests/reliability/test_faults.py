@@ -14,7 +14,7 @@ import pytest
 
 from engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
 from service.settings import Settings
-from tests.servers import LiveServer, free_port, server_process
+from tests.servers import LiveServer, alive, free_port, server_process
 from tests.helpers import greedy, tiny_loaded
 
 
@@ -119,7 +119,7 @@ def test_killed_engine_turns_health_503_and_requests_exit():
         t = threading.Thread(target=stream)
         t.start()
         while not events:  # it is streaming (a tokenizer-less model sends its first chunk, then the last)
-            assert t.is_alive()
+            assert t.isalive()
             time.sleep(0.01)
         os.kill(srv.state.engine.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -128,7 +128,7 @@ def test_killed_engine_turns_health_503_and_requests_exit():
             time.sleep(0.01)
         took = time.monotonic() - t0
         t.join(10)
-        assert not t.is_alive()
+        assert not t.isalive()
         errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
         assert errors and "engine" in errors[-1]["error"]["message"] and events[-1] == "[DONE]"
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2})
@@ -141,15 +141,6 @@ def test_killed_engine_turns_health_503_and_requests_exit():
         assert srv.state.fatal and "exited" in srv.state.fatal
     finally:
         srv.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, only not yet reaped
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def _engine_pid(server_pid: int) -> int:
@@ -167,7 +158,7 @@ def test_serve_exits_nonzero_when_its_engine_is_killed(tmp_path):
             assert time.monotonic() - t0 < 1
             time.sleep(0.01)
         assert proc.wait(30) != 0
-        assert not _alive(engine)
+        assert not alive(engine)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -177,7 +168,7 @@ def test_no_engine_outlives_the_server(tmp_path, sig):
         os.kill(proc.pid, sig)
         proc.wait(30)
         deadline = time.monotonic() + 5
-        while _alive(engine):
+        while alive(engine):
             assert time.monotonic() < deadline, f"the engine process outlived its server ({sig.name})"
             time.sleep(0.05)
         if sig == signal.SIGTERM:

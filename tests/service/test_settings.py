@@ -2,6 +2,7 @@
 that says everything, the weight precision the server picks by default, and `s5serve --help`."""
 
 import argparse
+import os
 from dataclasses import fields
 
 import pytest
@@ -148,3 +149,14 @@ def test_top_level_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["chat", "--help"])
     assert e.value.code == 0 and "default: http://127.0.0.1:8000" in capsys.readouterr().out
+
+
+def test_front_ends_one_on_the_cpu_one_per_four_cores_on_cuda(monkeypatch):
+    assert parse_serve_args([]).front_ends() == 1  # the CPU: the engine wants the cores
+    assert parse_serve_args(["--api-servers", "3"]).front_ends() == 3
+    for cores, want in ((2, 1), (8, 2), (16, 4), (64, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert parse_serve_args(["--device", "cuda"]).front_ends() == want
+        assert parse_serve_args(["--device", "cuda", "--api-servers", "1"]).front_ends() == 1
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--api-servers", "0"])
