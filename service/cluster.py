@@ -384,6 +384,9 @@ def parse_cluster_args(argv: list[str] | None = None) -> ClusterSettings:
 
     if a.replicas < 1:
         p.error("--replicas must be at least 1")
+    if settings.api_servers not in (None, 1):
+        p.error("--api-servers is s5serve serve's: a cluster's replicas serve through Ray Serve's HTTP proxy "
+                "(--gateways sets how many)")
     if a.replicas > 1 and db is not None and not is_postgres_url(db):
         p.error("replicas share their sessions through PostgreSQL: give --session-db postgresql://... "
                 "(or --session-db none: sessions in memory, lost with their replica)")
