@@ -40,7 +40,7 @@ def test_a_dropped_engine_is_freed_by_reference_counting(tmp_path, overlap):
     gc.disable()
     try:
         engine = exercised_engine(tmp_path, overlap)
-        core = EngineCore(engine, outbox=None)
+        core = EngineCore(engine, outboxes=[])
         parts = [engine, core, engine.runner, engine.scheduler, engine.sessions, engine.pool, engine.planner]
         assert engine.runner.decoder is not None
         parts.append(engine.runner.decoder)
