@@ -119,7 +119,7 @@ def test_killed_engine_turns_health_503_and_requests_exit():
         t = threading.Thread(target=stream)
         t.start()
         while not events:  # it is streaming (a tokenizer-less model sends its first chunk, then the last)
-            assert t.isalive()
+            assert t.is_alive()
             time.sleep(0.01)
         os.kill(srv.state.engine.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -128,7 +128,7 @@ def test_killed_engine_turns_health_503_and_requests_exit():
             time.sleep(0.01)
         took = time.monotonic() - t0
         t.join(10)
-        assert not t.isalive()
+        assert not t.is_alive()
         errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
         assert errors and "engine" in errors[-1]["error"]["message"] and events[-1] == "[DONE]"
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2})
