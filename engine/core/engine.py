@@ -195,11 +195,11 @@ class Engine:
         flight (`queue_full`, `too_many_requests`)."""
         if request.request_id in self._live:
             raise EngineError("duplicate request id", code="duplicate_request_id")
-        if max_in_flight is not None and self.requests_in_flight() >= max_in_flight:
-            raise EngineError("too many requests in flight; retry later", code="queue_full")
-        if max_per_owner is not None and request.owner is not None:
-            held = self.requests_in_flight(request.owner)
-            if held >= max_per_owner:
+        if max_in_flight is not None or max_per_owner is not None:
+            every, held = self._in_flight(request.owner)
+            if max_in_flight is not None and every >= max_in_flight:
+                raise EngineError("too many requests in flight; retry later", code="queue_full")
+            if max_per_owner is not None and request.owner is not None and held >= max_per_owner:
                 raise EngineError(f"this key has {held} requests in flight, the most allowed; retry later",
                                   code="too_many_requests")
         session = self.sessions.get(request.session_id, request.owner) if request.session_id is not None else None
@@ -215,10 +215,16 @@ class Engine:
             session.busy = request.request_id
         self.scheduler.add(live.sched)
 
-    def requests_in_flight(self, owner: str | None = None) -> int:
-        """Requests waiting or running (of `owner`, if given); a request's n completions count once."""
-        return len({rid.partition("/")[0] for rid, lv in self._live.items()
-                    if owner is None or lv.request.owner == owner})
+    def _in_flight(self, owner: str | None) -> tuple[int, int]:
+        """Requests waiting or running, in all and of `owner`, in one pass; a request's n
+        completions count once."""
+        every, mine = set(), set()
+        for rid, lv in self._live.items():
+            base = rid.partition("/")[0]
+            every.add(base)
+            if lv.request.owner == owner:
+                mine.add(base)
+        return len(every), len(mine)
 
     def cancel(self, request_id: str, owner: str | None = None) -> bool:
         """End a request of `owner` and every completion of it (between steps; their final
