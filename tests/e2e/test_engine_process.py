@@ -13,7 +13,7 @@ import pytest
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.servers import LiveServer, engine_alone, free_port, stream_ids
+from tests.servers import LiveServer, engine_alone, free_port, server_process, stream_ids
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
 
@@ -38,19 +38,20 @@ def test_concurrent_streams_equal_the_engine_in_process():
 
 
 @pytest.mark.slow
-def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
-    """8 streams decode on the embedded model; a ~40k-token prompt arrives (the front end
-    tokenizes it, the engine refuses it: over the context). No stream's gap between tokens grows
-    by more than 50 ms over its own typical gap while that happens, or, where the machine itself
-    is that noisy, by more than it did in a quiet window just before, at least as long (3 s; the
-    prompt takes 1.5-2.5 s on a 2-core machine)."""
-    settings = Settings(engine=EngineConfig(model="embedded", quantization="int8", max_rows=8,
-                                            kv_cache_bytes=64 << 20), port=free_port())
-    srv = LiveServer(settings).start()
+def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir, tmp_path):
+    """8 streams decode on the embedded model in a real `s5serve serve` process (the client in
+    another, as a user's is); a ~40k-token prompt arrives (the front end tokenizes it, the engine
+    refuses it: over the context). No stream's gap between tokens grows by more than 50 ms over
+    its own typical gap while that happens, or, where the machine itself is that noisy, by more
+    than it did in the quiet windows just before and just after, each at least as long (3 s; the
+    prompt takes 1.5-2.5 s on a 2-core machine, where the client, the front end and the engine's
+    two threads share the cores)."""
+    flags = ("--model", "embedded", "--quantization", "int8", "--rows", "8", "--kv-cache-bytes", "64M",
+             "--session-db", "none")
     huge = "The quick brown fox jumps over the lazy dog while counting sheep. " * 3100
 
     async def stream(client, i, arrivals):
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 320, "temperature": 0, "ignore_eos": True,
                 "stream": True, "return_token_ids": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -58,9 +59,9 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
                     if json.loads(line[6:])["choices"][0]["token_ids"]:
                         arrivals[i].append(time.monotonic())
 
-    async def run():
+    async def run(url):
         arrivals = {i: [] for i in range(8)}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             tasks = [asyncio.create_task(stream(client, i, arrivals)) for i in range(8)]
             while min(len(a) for a in arrivals.values()) < 10:  # all decoding
                 await asyncio.sleep(0.01)
@@ -70,12 +71,10 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
             r = await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 4})
             t1 = time.monotonic()
             await asyncio.gather(*tasks)
-        return arrivals, r, c0, t0, t1
+        return arrivals, r, c0, t0, t1, t1 + (t0 - c0)
 
-    try:
-        arrivals, r, c0, t0, t1 = asyncio.run(run())
-    finally:
-        srv.stop()
+    with server_process(tmp_path / "log", *flags) as (_, url):
+        arrivals, r, c0, t0, t1, c1 = asyncio.run(run(url))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "40" in r.json()["error"]["message"] or "prompt" in r.json()["error"]["message"]
 
@@ -88,11 +87,11 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir):
         return worst
 
     during = worst_extra(lambda a, b: b >= t0 and a <= t1)
-    quiet = worst_extra(lambda a, b: a >= c0 and b < t0)
+    quiet = worst_extra(lambda a, b: (a >= c0 and b < t0) or (a > t1 and b <= c1))
     print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms "
-          f"(quiet window: {quiet * 1e3:.1f} ms)")
+          f"(quiet windows: {quiet * 1e3:.1f} ms)")
     assert 0.1 < t1 - t0 <= t0 - c0  # the prompt really cost the front end time, less than the quiet window
-    assert max(arrivals[0]) > t1  # the streams were still live after it
+    assert min(max(a) for a in arrivals.values()) > c1  # the streams were live through the quiet window after it
     assert during <= max(0.05, quiet)
 
 
