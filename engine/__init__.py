@@ -40,7 +40,6 @@ Map of the package (one owner per resource, data flows top to bottom):
 """
 
 from engine.core.config import EngineConfig
-from engine.core.engine import Engine
 from engine.core.types import (
     EngineError,
     FinishReason,
@@ -58,3 +57,13 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str):
+    # Engine on first use: it brings the model runner (torch kernels, transformers' model code),
+    # which the HTTP front end, a process that only talks to the engine, never runs
+    if name == "Engine":
+        from engine.core.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

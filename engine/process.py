@@ -25,13 +25,17 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from engine import ipc
 from engine.core.config import EngineConfig
-from engine.core.engine import Engine
 from engine.core.types import EngineError, Request, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # the engine (its model runner) is imported where it is built: front-end
+    # processes import this module for die_with_parent only
+    from engine.core.engine import Engine
 
 log = logging.getLogger("s5serve.engine")
 
@@ -55,6 +59,8 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
         outboxes.append(out)
     encode = ipc.encoder().encode
     try:
+        from engine.core.engine import Engine
+
         engine = Engine(config)
         engine.grammars.start_building()  # alongside the warm-up (core/structured.py)
         _warm_up(engine)
