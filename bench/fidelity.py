@@ -160,33 +160,46 @@ def heldout(a) -> dict:
     return res
 
 
-QUICK_REFERENCE = Path(__file__).parent / "results" / "fidelity-quick-cpu-int8.json"
+QUICK_REFERENCE = Path(__file__).parent / "results" / "fidelity-quick-cpu.json"
+# A rise over the reference that fails the check, per weights. Float32 perplexity is the same on
+# every x86 CPU to 1e-5 (AVX2 and AVX-512 paths of torch alike), so 1% is a regression of the
+# KV policy or the model code. The int8 weights quantize every activation: a last-bit difference
+# in a float op upstream flips some roundings, and the same code reads up to 1.5% apart on CPUs
+# whose float paths differ; 3% holds that and fails a real regression of the int8 path.
+QUICK_TOLERANCE = {"float32": 0.01, "int8": 0.03}
 
 
 def quick(a) -> int:
     """The CI check: decode-regime perplexity of the shipped default (and of each setting the
-    reference file lists) on the corpus's first document, against the value measured when the
-    file was written; fails on a rise of more than 1%. `--write-reference` records the values."""
-    model, tok = scorer_model(a)
-    scorer = Scorer(model, corpus_docs(tok, recall.corpus_text(), 1), sink=EngineConfig.kv_sink)
-    types = scorer.layer_types
-    ref = json.loads(QUICK_REFERENCE.read_text()) if QUICK_REFERENCE.is_file() else {"settings": {}}
-    settings = ref["settings"] or {"default": {"kv_window": EngineConfig.kv_window}}
-    got, bad = {}, []
-    for name, s in settings.items():
-        per_layer = dict(zip(scorer.sliding_layers(), s["kv_windows"])) if "kv_windows" in s else s["kv_window"]
-        got[name] = scorer.ppl(bounded_windows(types, per_layer))
-        want = s.get("decode_ppl")
-        print(f"{name}: decode perplexity {got[name]:.4f}" + (f" (measured {want:.4f})" if want else ""))
-        if want is not None and got[name] > want * 1.01:
-            bad.append(f"{name}: {got[name]:.4f} > {want:.4f} + 1%")
+    reference file lists) on the corpus's first document, on float32 and on the served int8
+    weights, against the values measured when the file was written; fails on a rise of more than
+    QUICK_TOLERANCE. `--write-reference` records the values."""
+    ref = json.loads(QUICK_REFERENCE.read_text()) if QUICK_REFERENCE.is_file() else {"weights": {}}
+    default = {"default": {"kv_window": EngineConfig.kv_window}}
+    bad = []
+    for weights, tolerance in QUICK_TOLERANCE.items():
+        a.quant = None if weights == "float32" else weights
+        model, tok = scorer_model(a)
+        scorer = Scorer(model, corpus_docs(tok, recall.corpus_text(), 1), sink=EngineConfig.kv_sink)
+        types = scorer.layer_types
+        settings = ref["weights"].get(weights) or default
+        got = {}
+        for name, s in settings.items():
+            per_layer = dict(zip(scorer.sliding_layers(), s["kv_windows"])) if "kv_windows" in s else s["kv_window"]
+            got[name] = scorer.ppl(bounded_windows(types, per_layer))
+            want = s.get("decode_ppl")
+            print(f"{weights} {name}: decode perplexity {got[name]:.4f}" + (f" (measured {want:.4f})" if want else ""))
+            if want is not None and got[name] > want * (1 + tolerance):
+                bad.append(f"{weights} {name}: {got[name]:.4f} > {want:.4f} + {tolerance:.0%}")
+        if a.write_reference:
+            ref["weights"][weights] = {n: {**settings[n], "decode_ppl": got[n]} for n in settings}
+        del model, scorer
     if a.write_reference:
-        ref["settings"] = {n: {**settings[n], "decode_ppl": got[n]} for n in settings}
         ref["note"] = "decode-regime perplexity on the corpus's first document (bench/fidelity.py --quick)"
         QUICK_REFERENCE.write_text(json.dumps(ref, indent=1))
         print(f"wrote {QUICK_REFERENCE}")
     if bad:
-        print("FAIL: perplexity rose by more than 1%:\n  " + "\n  ".join(bad))
+        print("FAIL: perplexity rose by more than its tolerance:\n  " + "\n  ".join(bad))
         return 1
     return 0
 
