@@ -16,20 +16,22 @@ with one input are concatenated (`fuse`), as the bf16 forward fuses Q/K/V and ga
 `nf4_matmul` (x [M, K] @ W^T): each program owns `block_n` output columns and a `k_per` slice
 of K (split-K where there are too few columns to cover the GPU: float32 partials per split, then
 one kernel sums them in a fixed order; no atomics) and streams its weight once for all its rows,
-a few whole groups per step ([block_n, 32] bytes and one absmax per row each). The work per
-weight element is what bounds it at decode sizes (the bytes are a quarter of bf16's), so each
-step is kept to a few instructions per element:
+whole groups per step, with Triton's pipeliner keeping the next steps' loads in flight:
   - the code lookup is a warp shuffle (`SHFL`): each lane holds code[lane % 16] and each nibble,
     shifted down, names the source lane; no address arithmetic or load per element (the
     interpreter, which has no inline assembly, loads from the table instead);
-  - 16-bit activations are read as one 32-bit word per (even, odd) column pair, against a
-    byte's high and low nibbles, so the packed bytes are never reordered;
-  - one row (`block_m` 1, a decode step of one token): FMAs of x with the code values, each
-    group's sums times its absmax, reduced over the columns once at the end. That is the product
+  - one row of x per program (`block_m` 1, `_nf4_gemv_kernel`; decode steps of one or two
+    tokens): a step is a
+    [block_n, G, 32] tile of bytes (G whole groups); 16-bit activations are read as one 32-bit
+    word per (even, odd) column pair, against a byte's high and low nibbles, so the packed bytes
+    are never reordered; FMAs of x with the code values, each thread's part of a group summed,
+    then times the group's absmax once, reduced over the columns at the end. That is the product
     of the exact weights (code x absmax), within a rounding of bnb's, which rounds each weight to
     the compute dtype first;
-  - 16 to 64 rows: each group decoded as bnb decodes it (code x absmax, rounded to the compute
-    dtype) and multiplied on tensor cores (`tl.dot`).
+  - tiles of 16 to 64 rows (`_nf4_dot_kernel`): a step's weight tile decoded as bnb decodes it (code x
+    absmax, rounded to the compute dtype) in column order, [block_n, block_k], and multiplied on
+    tensor cores (`tl.dot`) with a plain [block_m, block_k] tile of x, or (`swap`) as W x^T, the
+    decoded tile the left operand, which suits tiles of few rows.
 `nf4_plan.plan_nf4` times a few launches per row count on a model's own weights and keeps the
 fastest of those that agree with the library's product on the dequantized weight (`launch_for`
 is a fixed rule where there is no plan); from 128 rows it also weighs that library product.
@@ -204,60 +206,89 @@ if triton is not None:
         return hi, lo, s
 
     @triton.jit
-    def _x_group(X, rm, mm, stride_xm, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
-        """Rows rm's even and odd columns of the group from kg, [BLOCK_M, 32] each in X's dtype:
-        16-bit activations (X16) read as one 32-bit word per (even, odd) pair and split in
-        registers, others read at stride 2 (EVEN: the group lies below k_hi)."""
-        j = tl.arange(0, 32)
+    def _gemv_tile(P, S, rn, nm, g, j, kg, k_hi, stride_p, stride_s, EVEN: tl.constexpr):
+        """Rows rn's bytes of the groups from kg, [BLOCK_N, G, 32], and their absmax [BLOCK_N, G];
+        zero past k_hi (EVEN: the caller knows the tile lies below it) and past the last row."""
+        row = rn.to(tl.int64)
         if EVEN:
-            xm = mm[:, None]
+            ok = nm[:, None] & (g >= 0)[None, :]
         else:
-            xm = mm[:, None] & ((kg + 2 * j) < k_hi)[None, :]
-        if X16:
-            words = X.to(tl.pointer_type(tl.int32)) + rm[:, None].to(tl.int64) * (stride_xm // 2)
-            w = tl.load(words + tl.multiple_of(kg // 2, 32) + j[None, :], mask=xm, other=0)
-            if BF16:
-                return (w.to(tl.int16).to(tl.bfloat16, bitcast=True),
-                        (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
-            else:
-                return w.to(tl.int16).to(tl.float16, bitcast=True), (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            xrow = X + rm[:, None].to(tl.int64) * stride_xm
-            col = kg + 2 * j[None, :]
-            return tl.load(xrow + col, mask=xm, other=0.0), tl.load(xrow + col + 1, mask=xm, other=0.0)
+            ok = nm[:, None] & ((kg + 64 * g) < k_hi)[None, :]
+        byte = tl.multiple_of(kg // 2, 32)
+        p = tl.load(P + row[:, None, None] * stride_p + (byte + 32 * g[None, :, None] + j[None, None, :]),
+                    mask=ok[:, :, None], other=0)
+        s = tl.load(S + row[:, None] * stride_s + (kg // 64 + g[None, :]), mask=ok, other=0.0)
+        return p, s
 
     @triton.jit
-    def _x_pairs(xr, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
-        """One row's even and odd columns of the group from kg as float32 [32] each: 16-bit
+    def _x_tile(xr, g, j, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
+        """One row's even and odd columns of the groups from kg as float32 [G, 32] each: 16-bit
         activations (X16) read as one 32-bit word per (even, odd) pair and split in registers,
-        others read at stride 2 (EVEN: the group lies below k_hi)."""
-        j = tl.arange(0, 32)
-        if EVEN:
-            ok = j < 32
-        else:
-            ok = (kg + 2 * j) < k_hi
+        others read at stride 2 (EVEN: the groups lie below k_hi)."""
+        col = kg + 64 * g[:, None] + 2 * j[None, :]
+        ok = col < k_hi
         if X16:
-            w = tl.load(xr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(kg // 2, 32) + j, mask=ok, other=0)
+            if EVEN:
+                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + col // 2)
+            else:
+                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + col // 2, mask=ok, other=0)
             if BF16:  # a bfloat16 is the upper half of its float32
                 return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
             else:
                 even = (w & 65535).to(tl.int16).to(tl.float16, bitcast=True)
                 odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
                 return even.to(tl.float32), odd.to(tl.float32)
+        elif EVEN:
+            return tl.load(xr + col).to(tl.float32), tl.load(xr + col + 1).to(tl.float32)
         else:
-            even = tl.load(xr + kg + 2 * j, mask=ok, other=0.0)
-            odd = tl.load(xr + kg + 2 * j + 1, mask=ok, other=0.0)
+            even = tl.load(xr + col, mask=ok, other=0.0)
+            odd = tl.load(xr + col + 1, mask=ok, other=0.0)
             return even.to(tl.float32), odd.to(tl.float32)
 
-    @triton.jit
-    def _nf4_matmul_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SHFL: tl.constexpr,
-                           X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
-        """Each step of the K loop decodes BLOCK_K / 64 whole groups, one [BLOCK_N, 32] tile of
-        bytes each (a group's absmax is one value per row). DOT: tiles of BLOCK_M rows on tensor
-        cores; else one row per program (BLOCK_M 1), on FMAs. EVEN: every K slice is whole
-        BLOCK_K steps (no column masks)."""
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
+    def _nf4_gemv_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, SHFL: tl.constexpr,
+                         X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        """One row of x per program (pid 2) against BLOCK_N weight rows over a K slice, in tiles of
+        G = BLOCK_K / 64 whole groups ([BLOCK_N, G, 32] bytes) with STAGES tiles in flight
+        (Triton's pipeliner): each thread sums its part of a group's products first and scales
+        the sum by the group's absmax once. EVEN: every K slice is whole BLOCK_K steps."""
+        G: tl.constexpr = BLOCK_K // 64
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = rn < N
+        g = tl.arange(0, G)
+        j = tl.arange(0, 32)
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        pdl_enter(GDC)
+        xr = X + pid_m.to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_N, G], tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
+            hi, lo = _codes(p, C, SHFL)
+            xe, xo = _x_tile(xr, g, j, k0, k_hi, X16, BF16, EVEN)
+            acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
+        y = tl.sum(acc, axis=1)
+        out = Y + (pid_k * M + pid_m).to(tl.int64) * N + rn
+        if PARTIAL:  # float32 partials of this K slice, summed by _sum_splits_kernel
+            tl.store(out, y, mask=nm)
+        else:
+            tl.store(out, y.to(Y.dtype.element_ty), mask=nm)
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
+    def _nf4_dot_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PARTIAL: tl.constexpr, IEEE: tl.constexpr, SHFL: tl.constexpr, SWAP: tl.constexpr,
+                        EVEN: tl.constexpr, GDC: tl.constexpr = False):
+        """Tiles of BLOCK_M rows on tensor cores, one product per BLOCK_K step: the step's weight
+        tile decoded as bnb decodes it (code x absmax, rounded) in column order ([BLOCK_N,
+        BLOCK_K]) against a plain [BLOCK_M, BLOCK_K] tile of x. SWAP: computed as W x^T (the weight
+        tile the left operand)."""
+        G: tl.constexpr = BLOCK_K // 64
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -268,34 +299,49 @@ if triton is not None:
         k_lo = pid_k * k_per
         k_hi = tl.minimum(k_lo + k_per, K)
         pdl_enter(GDC)
-        if DOT:  # the weight as bnb dequantizes it (code x absmax, rounded), on tensor cores
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                for g in tl.static_range(BLOCK_K // 64):
-                    hi, lo, s = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, SHFL, EVEN)
-                    even = (hi * s).to(X.dtype.element_ty)
-                    odd = (lo * s).to(X.dtype.element_ty)
-                    xe, xo = _x_group(X, rm, mm, stride_xm, k0 + 64 * g, k_hi, X16, BF16, EVEN)
-                    if IEEE:
-                        acc += tl.dot(xe, tl.trans(even), input_precision="ieee")
-                        acc += tl.dot(xo, tl.trans(odd), input_precision="ieee")
-                    else:
-                        acc += tl.dot(xe, tl.trans(even))
-                        acc += tl.dot(xo, tl.trans(odd))
-        else:  # x times the code values, each group's products times its absmax, summed over K at the end
-            xr = X + pid_m.to(tl.int64) * stride_xm
-            acc2 = tl.zeros([BLOCK_N, 32], tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                for g in tl.static_range(BLOCK_K // 64):
-                    hi, lo, s = _nf4_group(P, S, C, rn, nm, k0 + 64 * g, k_hi, stride_p, stride_s, SHFL, EVEN)
-                    xe, xo = _x_pairs(xr, k0 + 64 * g, k_hi, X16, BF16, EVEN)
-                    acc2 += (hi * xe[None, :] + lo * xo[None, :]) * s
-            acc = tl.sum(acc2, axis=1)[None, :]
-        out = Y + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        if PARTIAL:  # float32 partials of this K slice, summed by _sum_splits_kernel
-            tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+        row = rn.to(tl.int64)
+        kb = tl.arange(0, BLOCK_K // 2)
+        kk = tl.arange(0, BLOCK_K)
+        g = tl.arange(0, G)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if EVEN:
+                wm = nm[:, None]
+                sm = nm[:, None]
+                xm = mm[:, None]
+            else:
+                wm = nm[:, None] & ((k0 + 2 * kb) < k_hi)[None, :]
+                sm = nm[:, None] & ((k0 + 64 * g) < k_hi)[None, :]
+                xm = mm[:, None] & ((k0 + kk) < k_hi)[None, :]
+            p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(k0 // 2, 32) + kb)[None, :], mask=wm, other=0)
+            s = tl.load(S + row[:, None] * stride_s + (k0 // 64 + g)[None, :], mask=sm, other=0.0)
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=xm, other=0.0)
+            hi, lo = _codes(p, C, SHFL)
+            w = tl.reshape(tl.join(hi, lo), [BLOCK_N, G, 64]) * s[:, :, None]
+            w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
+            if SWAP:
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, tl.trans(x))
+            else:
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
+        if SWAP:
+            out = Y + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+            ok = nm[:, None] & mm[None, :]
+        else:
+            out = Y + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+            ok = mm[:, None] & nm[None, :]
+        if PARTIAL:
+            tl.store(out, acc, mask=ok)
+        else:
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _sum_splits_kernel(Part, Y, total, split, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
@@ -343,10 +389,13 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
-               warps: int = 4, stages: int = 3, shfl: bool = False, pdl: bool = False) -> torch.Tensor:
+               warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False,
+               pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
-    programs of `block_m` rows x `block_n` columns over K in `split` slices (1: no partials);
-    `shfl`: the code lookup by warp shuffle (CUDA only), else by loads."""
+    `block_m` 1, one row of x per program on FMAs (`_nf4_gemv_kernel`), else tiles of `block_m`
+    rows on tensor cores (`_nf4_dot_kernel`, `swap`: as W x^T); `block_n` weight rows per program,
+    K in `split` slices (1: no partials) of `block_k` steps, `stages` of them in flight; `shfl`:
+    the code lookup by warp shuffle (CUDA only), else by loads."""
     _check(x, w)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # rows of whole, aligned (even, odd) pairs
         x = x.clone(memory_format=torch.contiguous_format)
@@ -362,11 +411,17 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         return y
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     args = kernel_args(pdl)
-    _nf4_matmul_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
-        x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, DOT=block_m >= 16,
-        IEEE=x.dtype == torch.float32, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
-        BF16=x.dtype == torch.bfloat16, EVEN=k % block_k == 0, num_warps=warps, num_stages=stages, **args)
+    even = k % block_k == 0 and k_per % block_k == 0
+    if block_m == 1:
+        _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
+            x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
+            BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
+            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, num_warps=warps, **args)
+    else:
+        _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
+            x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, IEEE=x.dtype == torch.float32,
+            SHFL=shfl and x.is_cuda, SWAP=swap, EVEN=even, num_warps=warps, num_stages=stages, **args)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block, num_warps=4,
@@ -375,13 +430,13 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
 
 
 def launch_for(m: int, n: int, k: int, sms: int, shfl: bool = False) -> dict:
-    """A launch for `m` rows without a timed plan: FMAs for one row, else `tl.dot` on tiles of
-    16 to 64 rows, K split for about two programs per SM."""
+    """A launch for `m` rows without a timed plan: one row per program on FMAs for one row, else
+    `tl.dot` on tiles of 16 to 64 rows, K split for about two programs per SM."""
     if m == 1:
-        cand = (1, 32, 512, 4)
+        cand = (1, 16, 512, 4, 3, False)
     else:
-        cand = (min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4)
-    return with_split(cand, m, n, k, sms, 3, shfl=shfl)
+        cand = (min(64, max(16, triton.next_power_of_2(m))), 64, 128, 4, 3, True)
+    return with_split(cand, m, n, k, sms, shfl=shfl)
 
 
 @functools.cache
@@ -413,14 +468,15 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
-def with_split(cand: tuple[int, int, int, int], m: int, n: int, k: int, sms: int, stages: int,
-                per_sm: int = 2, shfl: bool = False) -> dict:
-    """`cand` as `nf4_matmul`'s launch, K split in two until there are `per_sm` programs per SM
-    (or a slice would be under two K blocks)."""
-    block_m, block_n, block_k, warps = cand
+def with_split(cand: tuple[int, int, int, int, int, bool], m: int, n: int, k: int, sms: int, per_sm: int = 2,
+               shfl: bool = False) -> dict:
+    """`cand` (block_m, block_n, block_k, warps, stages, swap) as `nf4_matmul`'s launch, K split
+    in two until there are `per_sm` programs per SM (or a slice would be under two K blocks;
+    `per_sm` 0: no split)."""
+    block_m, block_n, block_k, warps, stages, swap = cand
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages,
-                shfl=shfl)
+                shfl=shfl, swap=swap)

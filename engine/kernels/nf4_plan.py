@@ -9,19 +9,23 @@ import torch.nn.functional as F
 
 from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_for, nf4_matmul, triton, with_split
 
-# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps; 3 pipeline stages):
-# one row per program on FMAs (block_m 1), or tiles of 16 to 64 rows on tensor cores. Each is
-# tried with K split for about 2 and about 4 programs per SM (`with_split`; the split is a launch
-# argument, so both share one compiled kernel).
+# launches `plan_nf4` times per row count (block_m, block_n, block_k, warps, stages, swap): one
+# row of x per program on FMAs (block_m 1), or tiles of 16 to 64 rows on tensor cores (swap: as
+# W x^T). Each is tried without a K split and with K split for about 2 and about 4 programs per
+# SM (`with_split`; the split is a launch argument, so all share one compiled kernel). Each set
+# holds the launches that were fastest for some Gemma-3 4B projection at that row count on an
+# H200, out of a wider sweep of tile shapes, warps and stages.
 NF4_CANDIDATES = {
-    1: ((1, 32, 512, 4), (1, 64, 256, 4), (1, 64, 512, 4), (1, 128, 256, 8), (1, 16, 1024, 4), (1, 32, 1024, 4),
-        (1, 64, 1024, 8), (1, 128, 512, 8)),
-    2: ((1, 32, 512, 4), (1, 64, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4)),
-    4: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
-    8: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 4)),
-    16: ((16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8), (16, 64, 256, 8)),
-    32: ((32, 32, 256, 4), (32, 64, 128, 4), (32, 64, 256, 8), (32, 128, 128, 8)),
-    64: ((64, 32, 256, 4), (64, 64, 128, 8), (64, 64, 256, 8), (32, 64, 256, 4), (64, 128, 128, 8)),
+    1: ((1, 16, 512, 4, 3, False), (1, 8, 512, 4, 3, False), (1, 32, 256, 4, 3, False), (1, 32, 512, 8, 3, False),
+        (1, 16, 512, 4, 2, False)),
+    2: ((1, 32, 256, 4, 3, False), (1, 16, 512, 4, 3, False), (16, 64, 128, 4, 3, True),
+        (16, 64, 256, 4, 3, True)),
+    4: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 256, 4, 3, False)),
+    8: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 128, 4, 3, False)),
+    16: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 256, 4, 3, False)),
+    32: ((32, 64, 128, 4, 3, True), (32, 64, 256, 4, 3, True), (32, 32, 256, 4, 3, False)),
+    64: ((64, 64, 128, 4, 3, True), (64, 64, 128, 4, 2, False), (64, 32, 128, 4, 3, False),
+         (64, 32, 256, 4, 3, False)),
 }
 
 TIMED_ELEMENTS = 1 << 22  # smaller weights take launch_for's launches (checked, not timed against others)
@@ -63,14 +67,15 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
     shfl = True
     for m, cands in NF4_CANDIDATES.items():
         if n * k < TIMED_ELEMENTS:  # a small weight: launch_for's launch, checked, is as good as any
-            cands = [(c["block_m"], c["block_n"], c["block_k"], c["warps"]) for c in [launch_for(m, n, k, sms)]]
+            c = launch_for(m, n, k, sms)
+            cands = [(c["block_m"], c["block_n"], c["block_k"], c["warps"], c["stages"], c["swap"])]
         x = torch.randn(m, k, device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
         for lookup in dict.fromkeys((shfl, False)):
             best, tried = None, []
             for cand in cands:
-                for per_sm in (2, 4):
-                    cfg = with_split(cand, m, n, k, sms, 3, per_sm, lookup)
+                for per_sm in (0, 2, 4):
+                    cfg = with_split(cand, m, n, k, sms, per_sm, lookup)
                     if cfg in tried:
                         continue
                     tried.append(cfg)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, Request
-from engine.kernels import nf4, nf4_plan
+from engine.kernels import launch, nf4, nf4_plan
 from engine.model.loader import LoadedModel, tiny_random_model
 from tests.helpers import greedy, run_all, tiny_gemma4
 from tests.scenarios import Recorder
@@ -38,8 +38,9 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
-    """Every planned launch (NF4_CANDIDATES, with and without K splits), launch_for's and the
-    prefill path, at 1 to 300 rows, on Gemma-3 4B projection shapes and odd ones, against
+    """Every planned launch (NF4_CANDIDATES: one row per program and tensor-core tiles, W x^T or
+    x W^T, with and without K splits, plain and PDL launches), launch_for's and the prefill
+    path, at 1 to 300 rows, on Gemma-3 4B projection shapes and odd ones, against
     dequantize_4bit + F.linear on the same packed weight; the dequantization itself bit for bit."""
     pytest.importorskip("bitsandbytes")
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2  # the reference's own output rounding dominates
@@ -52,6 +53,7 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
         assert w.dtype == dtype and w.packed.data_ptr() == p.data.data_ptr()
         assert torch.equal(nf4.dequantize(w), want_w), "the kernels decode bnb's weight bit for bit"
         sms = torch.cuda.get_device_properties(0).multi_processor_count
+        pdl = launch.supported(torch.device("cuda"))
         for m in (1, 3, 8, 16, 33, 64, 100, 300):
             x = torch.randn(m, k, device="cuda").to(dtype)
             want = F.linear(x, want_w)
@@ -59,14 +61,19 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
             if i < 2 and dtype == torch.bfloat16:  # the planned launches at this row count: codes by shuffle and by loads
                 for rows, cands in nf4_plan.NF4_CANDIDATES.items():
                     if rows >= m:
-                        launches += [nf4.with_split(c, m, n, k, sms, 3, shfl=True) for c in cands]
-                        launches += [nf4.with_split(c, m, n, k, sms, 3, shfl=False) for c in cands[:1]]
+                        launches += list({str(cfg): cfg for cfg in (nf4.with_split(c, m, n, k, sms, per_sm, shfl=True)
+                                                                     for c in cands for per_sm in (0, 2, 4))}.values())
+                        launches += [nf4.with_split(c, m, n, k, sms, shfl=False) for c in cands[:1]]
+                        launches += [dict(nf4.with_split(c, m, n, k, sms, shfl=True), pdl=pdl) for c in cands]
                         break
                 launches.append(dict(nf4.launch_for(m, n, k, sms, shfl=True), split=1))
-            for launch in launches:
-                got = nf4.linear(x, w) if launch is None else nf4.nf4_matmul(x, w, **launch)
+            elif dtype == torch.float32:  # both kernels and both tile orientations on float32 activations
+                launches += [dict(nf4.with_split(c, m, n, k, sms, shfl=True)) for c in
+                             ((1, 16, 512, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 32, 128, 4, 3, False))]
+            for cfg in launches:
+                got = nf4.linear(x, w) if cfg is None else nf4.nf4_matmul(x, w, **cfg)
                 err = rel(got, want)
-                assert err < tol, (n, k, m, launch, err)
+                assert err < tol, (n, k, m, cfg, err)
                 worst = max(worst, err)
     print(f"nf4 {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 

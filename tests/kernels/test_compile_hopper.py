@@ -1,51 +1,71 @@
-"""The NF4 kernel compiled for Hopper (sm_90) on the CPU, without a GPU: Triton's compiler and the
-ptxas its wheel ships turn the kernel into a cubin here, so a kernel that the interpreter runs
+"""The NF4 kernels compiled for Hopper (sm_90) on the CPU, without a GPU: Triton's compiler and the
+ptxas its wheel ships turn each kernel into a cubin here, so a kernel that the interpreter runs
 but the GPU compiler refuses (inline PTX, layouts, shared memory) fails here first. Each launch
-kind the plans use: one row on FMAs, tiles on tensor cores (mma and wgmma sizes), warp-shuffle
-and load lookups, 16-bit and float32 activations, split K or not."""
+kind the plans use: one row per program on FMAs (pipelined steps), tiles on tensor cores as
+x W^T and W x^T (mma and wgmma sizes), warp-shuffle and load lookups, 16-bit and float32
+activations, split K or not, PDL launches."""
 
 import pytest
 
 pytestmark = pytest.mark.interpret
 
-# (block_m, block_n, block_k, warps, dtype, shfl, partial, even)
+# (block_m, block_n, block_k, warps, stages, swap, dtype, shfl, partial, even)
 VARIANTS = [
-    (1, 64, 256, 4, "bf16", True, True, True),
-    (16, 64, 128, 4, "bf16", True, False, False),
-    (64, 128, 128, 8, "bf16", True, True, True),
-    (1, 32, 512, 4, "fp16", False, False, False),
-    (16, 32, 256, 4, "fp32", True, True, False),
+    (1, 16, 512, 4, 3, False, "bf16", True, False, True),
+    (1, 8, 512, 4, 2, False, "bf16", True, True, False),
+    (1, 32, 512, 8, 3, False, "fp16", False, False, True),
+    (1, 16, 256, 4, 3, False, "fp32", True, True, False),
+    (16, 64, 128, 4, 3, True, "bf16", True, True, True),
+    (16, 32, 256, 4, 3, False, "bf16", True, False, False),
+    (64, 64, 128, 4, 3, True, "bf16", True, False, True),
+    (64, 32, 256, 4, 2, False, "fp16", False, True, True),
+    (32, 64, 128, 4, 3, True, "fp32", True, True, False),
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
-def test_nf4_kernel_compiles_for_sm90(variant):
-    triton = pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+def _compile(fn, sig: dict, consts: dict, warps: int, stages: int, divisible: tuple[str, ...]):
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.kernels import nf4
-
-    bm, bn, bk, warps, dtype, shfl, partial, even = variant
-    sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
-           "k_per": "i32"}
-    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, DOT=bm >= 16, IEEE=dtype == "fp32",
-                  SHFL=shfl, X16=dtype != "fp32", BF16=dtype == "bf16", EVEN=even, GDC=True)
-    sig.update({k: "constexpr" for k in consts})
+    sig = {**sig, **{k: "constexpr" for k in consts}}
     names = list(sig)
     # what the launcher specializes on at run time: 16-byte aligned pointers, sizes divisible by 16
-    attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a in ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per")}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     try:
-        kernel = triton.compile(ASTSource(fn=nf4._nf4_matmul_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except RuntimeError as exc:
         if "ptxas" in str(exc) and "not found" in str(exc).lower():
             pytest.skip(f"no ptxas: {exc}")
         raise
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_nf4_kernel_compiles_for_sm90(variant):
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from engine.kernels import nf4
+
+    bm, bn, bk, warps, stages, swap, dtype, shfl, partial, even = variant
+    sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
+           "k_per": "i32"}
+    if bm == 1:
+        fn = nf4._nf4_gemv_kernel
+        consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, SHFL=shfl, X16=dtype != "fp32", BF16=dtype == "bf16",
+                      EVEN=even, STAGES=stages, GDC=True)
+    else:
+        fn = nf4._nf4_dot_kernel
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, IEEE=dtype == "fp32", SHFL=shfl, SWAP=swap,
+                      EVEN=even, GDC=True)
+    kernel = _compile(fn, sig, consts, warps, stages,
+                      ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert ("shfl.sync.idx.b32" in kernel.asm["ptx"]) == shfl
+    if bm == 1:
+        assert "cp.async" in kernel.asm["ptx"], "the weight tiles are loaded ahead through the pipeliner"
+    elif dtype != "fp32":
+        assert "wgmma" in kernel.asm["ptx"] or "mma.sync" in kernel.asm["ptx"], "products on tensor cores"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
