@@ -107,16 +107,22 @@ def create_app(settings: Settings | None = None, front_end: FrontEnd | None = No
 
 
 async def _start(app: FastAPI, state: AppState) -> None:
-    """Start the engine process and load the tokenizer beside it; ready once both are."""
+    """Start the engine process and load the tokenizer (and start the tokenizer process) beside
+    it; ready once all are."""
     settings = state.settings
     client = EngineClient(settings.engine, on_death=lambda why: _engine_died(state, why),
                           log_level=logging.getLogger().getEffectiveLevel() or logging.INFO,
                           attach=state.front_end.attach if state.front_end is not None else None,
                           limits=ipc.Limits(settings.max_queued, settings.max_requests_per_key))
     state.engine = client
+
+    async def load_tokenizers():  # and the process that tokenizes long texts, beside the engine's start
+        tok = await asyncio.to_thread(load_tokenizer, state.settings.engine)
+        await state.tokenizer_pool.start_process(tok)
+        return tok
+
     try:
-        tokenizer, info = await asyncio.gather(asyncio.to_thread(load_tokenizer, state.settings.engine),
-                                               client.start())
+        tokenizer, info = await asyncio.gather(load_tokenizers(), client.start())
         state.tokenizer = tokenizer
         state.end_of_turn_ids = chat.end_of_turn_ids(tokenizer)
         state.token_texts = TokenText(tokenizer)

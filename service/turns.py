@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,9 @@ from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.types import EngineError, TokenLogprobs
 from service import chat
 from service.errors import APIError, from_engine, valid_text
+from service.tokenize_worker import TokenizerGone, TokenizerProcess
+
+log = logging.getLogger("s5serve")
 
 # Set (for its own task) by the front end's warm-up request, which runs before the front end is ready.
 WARM_UP: contextvars.ContextVar[bool] = contextvars.ContextVar("s5serve_warm_up", default=False)
@@ -58,14 +62,16 @@ class InFlight:
 
 
 class TokenizerPool:
-    """Worker threads for long texts, at a lower CPU priority (Linux: per-thread nice): where
-    cores are few, tokenizing a huge prompt takes what the engine process leaves, instead of
-    slowing every live stream's next step."""
+    """Where long texts are tokenized off the event loop. Plain text goes to a tokenizer process
+    at the lowest CPU priority (service/tokenize_worker.py), where the tokenizer has a serialized
+    form; the rest (chat templates, grammar checks, and plain text while that process is not
+    running) to worker threads at a lower priority (Linux: per-thread nice)."""
 
     NICE = 10
 
     def __init__(self, workers: int = 2) -> None:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="s5serve-tokenize", initializer=self._lower)
+        self._process = TokenizerProcess()
 
     @classmethod
     def _lower(cls) -> None:
@@ -74,10 +80,35 @@ class TokenizerPool:
         except (OSError, AttributeError):  # not Linux, or not allowed: same priority as the loop
             pass
 
+    async def start_process(self, tok) -> None:
+        """Start the tokenizer process on `tok`'s serialized form (none for a tokenizer without
+        one); if it cannot start, long texts stay with the threads."""
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None:
+            return
+        try:
+            await self._process.start(await asyncio.to_thread(backend.to_str))
+        except TokenizerGone as exc:
+            log.warning("%s: long texts are tokenized in threads", exc)
+
+    @property
+    def process_running(self) -> bool:
+        return self._process.alive
+
     async def run(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
+    async def encode(self, tok, text: str, add_special_tokens: bool) -> list[int]:
+        """`tok(text)["input_ids"]`: in the tokenizer process while it runs, else in a thread."""
+        if self._process.alive:
+            try:
+                return await self._process.encode(text, add_special_tokens)
+            except TokenizerGone:
+                pass
+        return await self.run(long_text_ids, tok, text, add_special_tokens)
+
     def close(self) -> None:
+        self._process.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -85,7 +116,7 @@ async def tokenize(state, text: str, add_special_tokens: bool = True) -> list[in
     """`tokenizer(text)["input_ids"]`, off the event loop for long texts."""
     tok = state.tokenizer
     if len(text) > OFF_LOOP_CHARS:
-        return await state.tokenizer_pool.run(long_text_ids, tok, text, add_special_tokens)
+        return await state.tokenizer_pool.encode(tok, text, add_special_tokens)
     return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 

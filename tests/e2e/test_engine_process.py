@@ -3,7 +3,9 @@ IPC boundary equals the engine run in-process, and the front end's own work (tok
 prompt) never holds up other streams."""
 
 import asyncio
+import bisect
 import json
+import os
 import socket
 import threading
 import time
@@ -37,22 +39,64 @@ def test_concurrent_streams_equal_the_engine_in_process():
     assert served == alone
 
 
+class StolenTime:
+    """The time a hypervisor took from each of this machine's CPUs (Linux: /proc/stat's steal
+    column), sampled every 5 ms in a thread: a stall it causes is not the server's."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[int]]] = []
+        self.tick = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open("/proc/stat") as f:
+                    cpus = [int(line.split()[8]) for line in f if line.startswith("cpu") and line[3].isdigit()]
+            except OSError:  # not Linux: nothing is counted
+                return
+            self.samples.append((time.monotonic(), cpus))
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._times = [t for t, _ in self.samples]
+
+    def within(self, a: float, b: float) -> float:
+        """Seconds stolen from the most robbed CPU between the last sample at or before `a` and
+        the first at or after `b` (0 without samples; once sampling has ended)."""
+        times = self._times
+        i, j = bisect.bisect_right(times, a) - 1, bisect.bisect_left(times, b)
+        if i < 0 or j == len(times):
+            return 0.0
+        return max(y - x for x, y in zip(self.samples[i][1], self.samples[j][1])) * self.tick
+
+
 @pytest.mark.slow
 def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir, tmp_path):
     """8 streams decode on the embedded model in a real `s5serve serve` process (the client in
     another, as a user's is); a ~40k-token prompt arrives (the front end tokenizes it, the engine
     refuses it: over the context). No stream's gap between tokens grows by more than 50 ms over
     its own typical gap while that happens, or, where the machine itself is that noisy, by more
-    than it did in the quiet windows just before and just after, each at least as long (3 s; the
-    prompt takes 1.5-2.5 s on a 2-core machine, where the client, the front end and the engine's
-    two threads share the cores)."""
-    flags = ("--model", "embedded", "--quantization", "int8", "--rows", "8", "--kv-cache-bytes", "64M",
+    than it did in the quiet windows just before (3 s) and just after (as long as the prompt
+    took, at least 3 s). Time a hypervisor stole
+    from the CPUs during a gap is not counted in it. On a machine whose cores are all busy the
+    prompt waits for idle CPU to be tokenized (the tokenizer process runs at idle priority), so
+    it may take many seconds; the streams stay live throughout."""
+    flags = ("--model", "embedded", "--quantization", "int8", "--rows", "8", "--kv-cache-bytes", "256M",
              "--session-db", "none")
     huge = "The quick brown fox jumps over the lazy dog while counting sheep. " * 3100
+    quiet_s = 3.0
 
     async def stream(client, i, arrivals):
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 320, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 1500, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -61,37 +105,45 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir, tmp_path):
 
     async def run(url):
         arrivals = {i: [] for i in range(8)}
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             tasks = [asyncio.create_task(stream(client, i, arrivals)) for i in range(8)]
             while min(len(a) for a in arrivals.values()) < 10:  # all decoding
+                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
                 await asyncio.sleep(0.01)
             c0 = time.monotonic()
-            await asyncio.sleep(3.0)  # the quiet window
+            await asyncio.sleep(quiet_s)
             t0 = time.monotonic()
             r = await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 4})
             t1 = time.monotonic()
-            await asyncio.gather(*tasks)
-        return arrivals, r, c0, t0, t1, t1 + (t0 - c0)
+            await asyncio.sleep(max(quiet_s, t1 - t0))  # together, the quiet windows are longer than the prompt's
+            c1 = time.monotonic()
+            ended_early = [t.done() for t in tasks]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return arrivals, r, c0, t0, t1, c1, ended_early
 
-    with server_process(tmp_path / "log", *flags) as (_, url):
-        arrivals, r, c0, t0, t1, c1 = asyncio.run(run(url))
+    with server_process(tmp_path / "log", *flags) as (_, url), StolenTime() as stolen:
+        arrivals, r, c0, t0, t1, c1, ended_early = asyncio.run(run(url))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "40" in r.json()["error"]["message"] or "prompt" in r.json()["error"]["message"]
+    assert not any(ended_early)
+    assert min(max(a) for a in arrivals.values()) > c1 - 0.5  # the streams were live to the end
 
-    def worst_extra(touches):  # the largest gap over its stream's typical gap, of gaps `touches` keeps
+    def worst_extra(touches):  # the largest gap over its stream's typical gap, less stolen time
         worst = 0.0
         for times in arrivals.values():
             gaps = [b - a for a, b in zip(times, times[1:])]
             typical = sorted(gaps)[len(gaps) // 2]
-            worst = max([worst, *(b - a - typical for a, b in zip(times, times[1:]) if touches(a, b))])
+            worst = max([worst, *(b - a - typical - stolen.within(a, b)
+                                  for a, b in zip(times, times[1:]) if touches(a, b))])
         return worst
 
     during = worst_extra(lambda a, b: b >= t0 and a <= t1)
     quiet = worst_extra(lambda a, b: (a >= c0 and b < t0) or (a > t1 and b <= c1))
     print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms "
-          f"(quiet windows: {quiet * 1e3:.1f} ms)")
-    assert 0.1 < t1 - t0 <= t0 - c0  # the prompt really cost the front end time, less than the quiet window
-    assert min(max(a) for a in arrivals.values()) > c1  # the streams were live through the quiet window after it
+          f"(quiet windows: {quiet * 1e3:.1f} ms; stolen over the run: {stolen.within(c0, c1) * 1e3:.0f} ms)")
+    assert t1 - t0 > 0.1  # the prompt really cost the front end time
     assert during <= max(0.05, quiet)
 
 

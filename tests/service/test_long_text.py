@@ -1,11 +1,20 @@
-"""Long texts are tokenized off the event loop through the Rust tokenizer directly
-(`turns.long_text_ids`); the ids are the ones `tokenizer(text)` gives, with and without the
-special tokens (a session's later turns go without BOS)."""
+"""Long texts are tokenized off the event loop: in the tokenizer process
+(service/tokenize_worker.py) while it runs, else in a thread through the Rust tokenizer directly
+(`turns.long_text_ids`). Both give the ids `tokenizer(text)` gives, with and without the special
+tokens (a session's later turns go without BOS). The process takes only idle cores; when it dies,
+its callers get an error at once, not a wait, and the pool goes on in threads."""
+
+import asyncio
+import os
+import signal
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
-from service.turns import OFF_LOOP_CHARS, long_text_ids
+from service.tokenize_worker import TokenizerGone, TokenizerProcess
+from service.turns import OFF_LOOP_CHARS, TokenizerPool, long_text_ids
+from tests.servers import alive
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while counting sheep. " * 400,
@@ -13,6 +22,14 @@ TEXTS = [
     "Ünïcödé — 漢字かな交じり文, emoji 🦊🐑, and <start_of_turn> as plain text. " * 150,
     "x" * (OFF_LOOP_CHARS + 1),
 ]
+
+
+async def gone(pid: int, within: float = 5.0) -> bool:
+    for _ in range(int(within / 0.05)):
+        if not alive(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +45,52 @@ def test_long_text_ids_equal_the_tokenizers(tok, text, special):
     got = long_text_ids(tok, text, special)
     assert got == want
     assert (got[0] == tok.bos_token_id) == special
+
+
+async def test_the_tokenizer_process_gives_the_tokenizers_ids_at_idle_priority(tok):
+    proc = TokenizerProcess()
+    await proc.start(tok.backend_tokenizer.to_str())
+    try:
+        for special in (True, False):
+            got = await asyncio.gather(*(proc.encode(text, special) for text in TEXTS))
+            assert got == [tok(text, add_special_tokens=special)["input_ids"] for text in TEXTS]
+        if sys.platform == "linux":
+            assert os.sched_getscheduler(proc._proc.pid) == os.SCHED_IDLE
+    finally:
+        proc.close()
+    assert await gone(proc._proc.pid)  # closing kills it
+
+
+async def test_a_dead_tokenizer_process_fails_its_callers_and_the_pool_goes_on_in_threads(tok):
+    pool = TokenizerPool()
+    await pool.start_process(tok)
+    try:
+        assert pool.process_running
+        process = pool._process
+        pid = process._proc.pid
+        os.kill(pid, signal.SIGSTOP)  # a text is sent, then the process dies without answering it
+        pending = asyncio.ensure_future(process.encode(TEXTS[0], True))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TokenizerGone):
+            await asyncio.wait_for(pending, 10)
+        assert not pool.process_running
+        with pytest.raises(TokenizerGone):
+            await process.encode(TEXTS[0], True)
+        assert await pool.encode(tok, TEXTS[2], False) == tok(TEXTS[2], add_special_tokens=False)["input_ids"]
+    finally:
+        pool.close()
+
+
+async def test_a_tokenizer_the_process_cannot_load_leaves_long_texts_to_threads(tok):
+    proc = TokenizerProcess()
+    with pytest.raises(TokenizerGone):
+        await proc.start("{not a tokenizer")
+    assert not proc.alive and await gone(proc._proc.pid)
+    pool = TokenizerPool()
+    pool._process = proc
+    try:
+        assert await pool.encode(tok, TEXTS[0], True) == tok(TEXTS[0])["input_ids"]
+    finally:
+        pool.close()

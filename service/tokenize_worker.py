@@ -1,0 +1,184 @@
+"""A process that tokenizes a front end's long texts at the lowest CPU priority.
+
+Where cores are few, the engine process keeps each of them busy while streams decode, and one
+of its steps waits for the slowest of its threads. Tokenizing a huge prompt is a fraction of a
+second of CPU (40k tokens: about 0.2 s on one core); run in a thread of the front end, even
+niced, it can hold a core one of the engine's threads wanted for tens of milliseconds at a time,
+and every live stream's next token waits that long. Linux's idle scheduling class (SCHED_IDLE)
+runs this process only on a core nothing else wants and hands the core back the moment another
+thread wakes there. It is a process rather than a thread of the front end because a thread of
+that class can be preempted while it holds the interpreter lock, and the event loop would then
+wait for a core to come free.
+
+`TokenizerProcess` (the front end's side) starts it with the tokenizer in its serialized form
+(the `tokenizers` JSON of the front end's own tokenizer, so both give the same ids) and sends it
+requests over a ZeroMQ pair socket, msgpack-encoded: [call id, text, add_special_tokens]. It
+answers [call id, ids, None], or [call id, None, error] for a text it could not tokenize; the
+first message back, [0, None, None], says it has loaded the tokenizer.
+
+    python -m service.tokenize_worker PARENT_PID ADDRESS
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger("s5serve")
+
+START_TIMEOUT_S = 120.0  # loading a 262k-entry vocabulary takes a few seconds on a busy machine
+
+
+class TokenizerGone(Exception):
+    """The tokenizer process is not running (never started, or it exited)."""
+
+
+class TokenizerProcess:
+    """The front end's handle on one tokenizer process: `start`, then `encode` from the event
+    loop, `close` at shutdown. Calls are answered in the order sent."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+        self._dir: str | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder().decode
+        self.alive = False
+
+    async def start(self, tokenizer_json: str, timeout: float = START_TIMEOUT_S) -> None:
+        """Start the process on the tokenizer `tokenizer_json` describes; returns once it has
+        loaded it. Raises TokenizerGone if it could not start."""
+        self._dir = tempfile.mkdtemp(prefix="s5serve-tok-")
+        os.chmod(self._dir, 0o700)
+        address = f"ipc://{self._dir}/tok"
+        self._ctx = zmq.asyncio.Context(1)
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # one thread: it only takes idle cores
+        self._proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "service.tokenize_worker",
+                                                          str(os.getpid()), address, env=env)
+        await self._sock.send(tokenizer_json.encode())
+        try:
+            first = await asyncio.wait_for(self._sock.recv(), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise TokenizerGone(f"the tokenizer process did not load the tokenizer in {timeout:.0f} s") from None
+        if self._decode(first) != [0, None, None]:
+            self.close()
+            raise TokenizerGone("the tokenizer process could not load the tokenizer")
+        self.alive = True
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of `text`, as `tokenizer.backend_tokenizer.encode(text, add_special_tokens)`
+        gives them. Raises TokenizerGone if the process is not running or exits first, ValueError
+        if the tokenizer refused the text."""
+        if not self.alive:
+            raise TokenizerGone("the tokenizer process is not running")
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            await self._sock.send(self._encode((call_id, text, add_special_tokens)))
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                call_id, ids, error = self._decode(await self._sock.recv())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            fut = self._calls.get(call_id)
+            if fut is None or fut.done():  # its caller went away
+                continue
+            if error is not None:
+                fut.set_exception(ValueError(error))
+            else:
+                fut.set_result(ids)
+
+    async def _watch(self) -> None:
+        code = await self._proc.wait()
+        self.alive = False
+        if self._calls:
+            log.warning("the tokenizer process exited (code %s) with %d texts unanswered", code, len(self._calls))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(TokenizerGone(f"the tokenizer process exited (code {code})"))
+
+    def close(self) -> None:
+        self.alive = False
+        for task in self._tasks:
+            task.cancel()
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+        if self._sock is not None:
+            self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._sock = self._ctx = self._dir = None
+
+
+def _lowest_priority() -> None:
+    """This thread to the idle scheduling class (Linux), else the process to the lowest nice."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> None:
+    from tokenizers import Tokenizer
+
+    from engine.process import die_with_parent
+
+    parent_pid, address = int(argv[0]), argv[1]
+    die_with_parent(parent_pid)
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder().decode
+    try:
+        tok = Tokenizer.from_str(sock.recv().decode())
+    except Exception as exc:
+        print(f"s5serve tokenizer process: cannot load the tokenizer: {exc}", file=sys.stderr)
+        sock.send(encode((0, None, str(exc))))
+        sys.exit(1)
+    # Loaded at the front end's priority (it waits for this at startup); from here on this
+    # thread, the one that tokenizes, takes only idle cores.
+    _lowest_priority()
+    sock.send(encode((0, None, None)))
+    while True:
+        call_id, text, add_special = decode(sock.recv())
+        try:
+            ids = tok.encode(text, add_special_tokens=add_special).ids
+        except Exception as exc:  # a text the tokenizer refuses: that caller's error alone
+            sock.send(encode((call_id, None, f"{type(exc).__name__}: {exc}")))
+        else:
+            sock.send(encode((call_id, ids, None)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
