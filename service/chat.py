@@ -86,8 +86,17 @@ def message_ids(tok, messages: list[dict[str, str]], history_len: int, tail: lis
     """Chat messages: the increment the session's history needs to hold the conversation so far
     plus `messages` (and the generation prompt, unless the turn only appends). `tools` (a whole
     conversation only): for a template that takes them."""
+    text, closing = message_text(tok, messages, history_len, generation_prompt, tools)
+    return increment_ids(_ids(tok, text), None if closing is None else _ids(tok, closing), tail)
+
+
+def message_text(tok, messages: list[dict[str, str]], history_len: int, generation_prompt: bool,
+                 tools: list[dict] | None = None) -> tuple[str, str | None]:
+    """`message_ids` in two parts: the template's text for the increment, and (None for a whole
+    conversation) the closing markup of the turn before it that the text begins with ("": none).
+    The text is tokenized without special tokens (`increment_ids`)."""
     if history_len == 0:
-        return _ids(tok, render(tok, messages, generation_prompt, tools))
+        return render(tok, messages, generation_prompt, tools), None
     # the stand-in ends with the role before the new messages' first one (alternating templates)
     stand_in: list[dict[str, Any]] = [{"role": "user", "content": _STAND_IN[0]}]
     if messages[0]["role"] != "assistant":
@@ -100,10 +109,13 @@ def message_ids(tok, messages: list[dict[str, str]], history_len: int, tail: lis
                        "later turns on their own; send the turn as text or token ids", "invalid_request", "messages")
     increment = full[cut + len(marker):]
     closing = _closing(tok, stand_in)
-    ids = _ids(tok, increment)
-    closing_ids = _ids(tok, closing) if increment.startswith(closing) else []
-    if ids[: len(closing_ids)] != closing_ids:
-        closing_ids = []
-    # the longest start of the closing markup that the history already ends with
+    return increment, closing if increment.startswith(closing) else ""
+
+
+def increment_ids(ids: list[int], closing_ids: list[int] | None, tail: list[int]) -> list[int]:
+    """The ids of `message_text`'s text less the start of the closing markup (its ids:
+    `closing_ids`) that the history (its last tokens: `tail`) already ends with."""
+    if not closing_ids or ids[: len(closing_ids)] != closing_ids:
+        return ids
     held = next((n for n in range(min(len(closing_ids), len(tail)), 0, -1) if tail[-n:] == closing_ids[:n]), 0)
     return ids[held:]

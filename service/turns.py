@@ -134,11 +134,16 @@ def long_text_ids(tok, text: str, add_special_tokens: bool) -> list[int]:
 async def render_chat(state, messages: list[dict[str, str]], history_len: int, tail: list[int],
                       generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """`chat.message_ids` (the template's tokens for what `messages` add to a conversation), off
-    the event loop for long conversations. `tools`: for a template that takes them."""
-    args = (state.tokenizer, messages, history_len, tail, generation_prompt, tools)
-    if sum(len(m["content"]) for m in messages) + (OFF_LOOP_CHARS if tools else 0) > OFF_LOOP_CHARS:
-        return await state.tokenizer_pool.run(chat.message_ids, *args)
-    return chat.message_ids(*args)
+    the event loop for long conversations: the template rendered on a worker thread, its text
+    tokenized as long texts are. `tools`: for a template that takes them."""
+    tok = state.tokenizer
+    if sum(len(m["content"]) for m in messages) + (OFF_LOOP_CHARS if tools else 0) <= OFF_LOOP_CHARS:
+        return chat.message_ids(tok, messages, history_len, tail, generation_prompt, tools)
+    text, closing = await state.tokenizer_pool.run(chat.message_text, tok, messages, history_len, generation_prompt,
+                                                   tools)
+    ids = await state.tokenizer_pool.encode(tok, text, False)
+    closing_ids = None if closing is None else tok(closing, add_special_tokens=False)["input_ids"]
+    return chat.increment_ids(ids, closing_ids, tail)
 
 
 def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | None = None) -> SamplingParams:

@@ -77,3 +77,35 @@ def test_a_template_error_is_the_callers(tok):
         assert err.value.status == 400 and "roles must alternate" in err.value.message
     finally:
         tok.chat_template = saved
+
+
+async def test_long_turns_rendered_off_the_event_loop_equal_the_whole_conversation(tok):
+    """Long messages take the front end's off-loop path (`turns.render_chat`: the template on a
+    worker thread, its text in the tokenizer process): the same tokens, turn by turn."""
+    from types import SimpleNamespace
+
+    from service.turns import OFF_LOOP_CHARS, TokenizerPool, render_chat
+
+    pool = TokenizerPool()
+    await pool.start_process(tok)
+    state = SimpleNamespace(tokenizer=tok, tokenizer_pool=pool)
+    (eot,) = chat.end_of_turn_ids(tok)
+    reply = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ask = "Tell me about the quick brown fox and the lazy dog. " * (OFF_LOOP_CHARS // 40)
+    history: list[int] = []
+
+    async def feed_long(messages):
+        history.extend(await render_chat(state, messages, len(history), history[-chat.TAIL_TOKENS:], True))
+
+    try:
+        assert pool.process_running
+        await feed_long([U(ask)])
+        assert history == full(tok, [U(ask)])
+        history += reply("A fox.") + [eot]
+        await feed_long([U(ask + " Again?")])
+        assert history == full(tok, [U(ask), A("A fox."), U(ask + " Again?")])
+        history += reply("The fox is")  # cut by max_tokens
+        await feed_long([U("Finish it. " + ask)])
+        assert history == full(tok, [U(ask), A("A fox."), U(ask + " Again?"), A("The fox is"), U("Finish it. " + ask)])
+    finally:
+        pool.close()
