@@ -13,8 +13,10 @@ Per N it reports output tok/s, decode tok/s while all streams decode (from the l
 token to the first stream's last, BENCH.md's definition), TTFT, TPOT and ITL at p50/p90/p99,
 errors, goodput under an SLO (--slo-ttft, --slo-tpot), and the server's event-loop lag (its
 /metrics). For s5serve it also runs the engine itself on the same model, prompts and settings in
-this process (`bench.throughput.run_engine`) before the server starts, so `served / engine` is one
-number from one run. Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's
+this process (`bench.throughput.run_engine`), with the started server idle beside it, right before
+the served run, so `served / engine` is one number from one run. `--rounds K` repeats that pair K
+times and reports the median round: on a machine whose speed drifts (a virtual machine whose
+hypervisor takes CPU time, recorded per run as `stolen_s`) one pair alone can read 0.8 or 1.2. Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's
 `return_token_ids`; a coalesced chunk carries several), else one token per chunk.
 
     python -m bench.serve --model embedded --n 1 8 32 --new-tokens 128      # CPU, int8 as served
@@ -316,24 +318,66 @@ def model_spec(a, workdir: Path) -> str:
     return shape_model_dir(a.shape, workdir / a.shape, a.tokenizer)
 
 
-def engine_rate(spec: str, a, prompts, n: int) -> dict:
-    """The engine alone on the same model, prompts and settings, in this process."""
-    import torch
+class EngineBaseline:
+    """The engine alone on the same model, prompts and settings, in this process: loaded and
+    warmed up once (the server warms its engine up before it serves: first-call costs such as lazy
+    initialisation and kernel compilation for the step shapes are not the steady rate), then run
+    once per round."""
 
-    from bench.throughput import run_engine
-    from engine import EngineConfig
-    from engine.model.loader import load_model
+    def __init__(self, spec: str, a, prompts, n: int) -> None:
+        from bench.throughput import run_engine
+        from engine import EngineConfig
+        from engine.model.loader import load_model
 
-    cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype, quantization=a.quantization)
-    loaded = load_model(cfg)
-    # the server warms its engine up before it serves: so does this run (first-call costs: lazy
-    # initialisation, kernel compilation for the step shapes)
-    run_engine(loaded, "s5", prompts[:2], 8, a.device, **engine_settings(a, n))
-    res = run_engine(loaded, "s5", prompts, a.new_tokens, a.device, **engine_settings(a, n))
-    del loaded
-    if a.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return res
+        self.a, self.prompts, self.n = a, prompts, n
+        self.loaded = load_model(EngineConfig(model=spec, device=a.device, dtype=a.dtype,
+                                              quantization=a.quantization))
+        run_engine(self.loaded, "s5", prompts[:2], 8, a.device, **engine_settings(a, n))
+
+    def run(self) -> dict:
+        from bench.throughput import run_engine
+
+        with Stolen() as stolen:
+            res = run_engine(self.loaded, "s5", self.prompts, self.a.new_tokens, self.a.device,
+                             **engine_settings(self.a, self.n))
+        return {**res, "stolen_s": stolen.seconds}
+
+    def close(self) -> None:
+        import torch
+
+        self.loaded = None
+        if self.a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+class Stolen:
+    """CPU time a hypervisor took from this machine (Linux /proc/stat's steal column, summed over
+    the CPUs) while the block ran, in seconds; None where the kernel does not report it."""
+
+    def __enter__(self) -> Stolen:
+        self.seconds, self._start = None, self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._read()
+        if self._start is not None and end is not None:
+            self.seconds = (end - self._start) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _read() -> int | None:
+        try:
+            with open("/proc/stat") as f:
+                return int(f.readline().split()[8])
+        except (OSError, IndexError, ValueError):
+            return None
+
+
+def median_round(rounds: list[dict]) -> int:
+    """The index of the round whose served/engine ratio (served decode tok/s without an engine
+    baseline) is the median (the lower one of an even count)."""
+    key = [r["ratio"] if r["ratio"] is not None else (r["served_decode_tok_s"] or 0.0) for r in rounds]
+    order = sorted(range(len(rounds)), key=key.__getitem__)
+    return order[(len(order) - 1) // 2]
 
 
 def engine_settings(a, n: int) -> dict:
@@ -493,6 +537,10 @@ def main() -> None:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--engine-baseline", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the engine alone on the same workload (s5serve only)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="concurrency mode: per N and target, this many rounds of the engine alone then the "
+                         "same workload served, back to back; the row is the median round by served/engine, "
+                         "every round's figures are kept (for machines whose speed drifts during a run)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -500,6 +548,8 @@ def main() -> None:
         a.quantization = "int8"  # what `s5serve serve` runs on the CPU
     if a.base_url:
         a.engine_baseline = False
+    if a.rounds < 1 or (a.rounds > 1 and a.mode != "concurrency"):
+        ap.error("--rounds: at least 1, and more only in concurrency mode")
 
     from bench.throughput import cpu_name, git_commit, prompts_for, source_digest
 
@@ -561,7 +611,7 @@ def main() -> None:
     for n in ns:
         prompts = prompts_for(tokenizer, vocab, n if a.mode == "concurrency" else a.num_prompts, a.prompt_len,
                               seed=n)
-        engine_res = engine_rate(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
+        baseline = EngineBaseline(spec, a, prompts, n) if a.engine_baseline and a.mode == "concurrency" else None
         first_row = len(rows)
         for target in targets:
             proc, url, extra, server = None, a.base_url, {}, None
@@ -578,13 +628,15 @@ def main() -> None:
                 else:
                     proc = start_server(spec, a, slots, port, log, target)
                 url = f"http://127.0.0.1:{port}"
+            eng_runs = baseline if target != "llama.cpp" else None  # the engine baseline is s5serve's
             try:
                 warm = [completion(prompts[0][:16], a, a.served_model, max_tokens=4, **extra)]
                 drive(url, warm, [0.0], 1)
-                before = scrape(url)
                 if a.mode == "sessions":
+                    before = scrape(url)
                     res = run_sessions(url, a, vocab, a.served_model)
-                    summ = res["all"]
+                    summ, eng, rounds = res["all"], None, []
+                    after = scrape(url)
                 else:
                     bodies = [completion(p, a, a.served_model, **extra) for p in prompts]
                     if a.mode == "rate":
@@ -595,11 +647,31 @@ def main() -> None:
                             t += rng.expovariate(a.rate)
                     else:
                         offsets = [0.0] * len(bodies)
-                    with LagWatch(url) as watch:
-                        results = drive(url, bodies, offsets, a.client_procs)
-                    summ, res = summarize(results, a.slo_ttft, a.slo_tpot), None
-                    late_by_phase = watch.phases(results)
-                after = scrape(url)
+                    # each round: the engine alone (the server idle beside it), then the same
+                    # workload served; the row reports the median round, every round is kept
+                    rounds, runs = [], []
+                    for k in range(a.rounds):
+                        eng = eng_runs.run() if eng_runs is not None else None
+                        before = scrape(url)
+                        with LagWatch(url) as watch, Stolen() as stolen:
+                            results = drive(url, bodies, offsets, a.client_procs)
+                        after = scrape(url)
+                        summ = summarize(results, a.slo_ttft, a.slo_tpot)
+                        ratio = (summ["decode_tok_s"] / eng["decode_tok_s"]
+                                 if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None)
+                        rounds.append({"served_decode_tok_s": summ["decode_tok_s"],
+                                       "engine_decode_tok_s": eng["decode_tok_s"] if eng else None, "ratio": ratio,
+                                       "served_itl_p50_s": summ["itl_s"]["p50"],
+                                       "engine_itl_p50_s": eng["itl_p50_s"] if eng else None,
+                                       "served_stolen_s": stolen.seconds, "engine_stolen_s": eng and eng["stolen_s"]})
+                        runs.append((summ, eng, before, after, watch.phases(results)))
+                        if a.rounds > 1:
+                            print(f"   round {k + 1}: served {f(summ['decode_tok_s'])} tok/s, engine "
+                                  f"{f(eng and eng['decode_tok_s'])}, served/engine {f(ratio, fmt='.3f')}; CPU time "
+                                  f"stolen by the hypervisor {f(stolen.seconds, fmt='.2f')} s served, "
+                                  f"{f(eng and eng['stolen_s'], fmt='.2f')} s engine", flush=True)
+                    res = None
+                    summ, eng, before, after, late_by_phase = runs[median_round(rounds)]
             finally:
                 if proc is not None:
                     stop_server(proc)
@@ -607,7 +679,6 @@ def main() -> None:
             if a.mode != "sessions" and late_by_phase is not None:
                 lag["late_by_phase"] = late_by_phase
             server_ttft = mean_of(before, after, "s5_time_to_first_token_seconds")
-            eng = engine_res if target != "llama.cpp" else None  # the engine baseline is s5serve's
             row = {"target": target, "mode": a.mode, "n": n, **summ, "event_loop_lag": lag, "engine": eng,
                    "served_over_engine_decode": (summ["decode_tok_s"] / eng["decode_tok_s"]
                                                  if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None),
@@ -619,6 +690,9 @@ def main() -> None:
             row["server_ttft_mean_s"] = server_ttft
             if res is not None:
                 row["per_turn"] = res["per_turn"]
+            if len(rounds) > 1:
+                row["rounds"] = rounds
+                row["served_over_engine_decode_rounds"] = [r["ratio"] for r in rounds]
             if server is not None:
                 row["server"] = server
             rows.append(row)
@@ -640,6 +714,8 @@ def main() -> None:
                 for t in res["per_turn"]:
                     print(f"   turn {t['turn']}: TTFT p50 {f(t['ttft_s']['p50'], fmt='.3f')} s, prompt "
                           f"{t['prompt_tokens_mean']:.0f} tokens, cached {f(t['cached_tokens_mean'], fmt='.0f')}")
+        if baseline is not None:
+            baseline.close()
         # each other target of this N against `serve`: a cluster's overhead over it, serve over a peer
         base_row = next((r for r in rows[first_row:] if r["target"] == "serve"), None)
         for row in rows[first_row:] if base_row else []:

@@ -21,10 +21,19 @@ def run(tmp_path, *args: str, new_tokens: int = 12) -> dict:
 def test_concurrency_mode_counts_every_token_and_compares_with_the_engine(tmp_path):
     # long enough streams that the all-streams-decoding window holds tokens on a slow machine too
     # (chunks coalesce when the client falls behind, and the window needs 8 tokens per stream)
-    res = run(tmp_path, "--n", "1", "3", "--max-decode-stall-ms", "200", new_tokens=64)
+    res = run(tmp_path, "--n", "1", "3", "--max-decode-stall-ms", "200", "--rounds", "2", new_tokens=64)
     assert [r["n"] for r in res["rows"]] == [1, 3]
     assert res["workload"]["max_decode_stall_ms"] == 200
     for row in res["rows"]:
+        # two rounds of the engine alone then served: the row's figures are the lower ratio's round
+        rounds = row["rounds"]
+        assert len(rounds) == 2 and row["served_over_engine_decode_rounds"] == [r["ratio"] for r in rounds]
+        for r in rounds:
+            assert r["ratio"] == pytest.approx(r["served_decode_tok_s"] / r["engine_decode_tok_s"])
+        median = min(rounds, key=lambda r: r["ratio"])
+        assert row["served_over_engine_decode"] == median["ratio"]
+        assert (row["decode_tok_s"], row["engine"]["decode_tok_s"]) == (median["served_decode_tok_s"],
+                                                                        median["engine_decode_tok_s"])
         assert row["errors"] == 0 and row["requests"] == row["n"]
         assert row["output_tokens"] == 64 * row["n"]  # token_ids of every chunk, counted
         assert row["engine"]["decode_tok_s"] > 0 and row["decode_tok_s"] > 0
@@ -37,6 +46,17 @@ def test_concurrency_mode_counts_every_token_and_compares_with_the_engine(tmp_pa
         phases = lag["late_by_phase"]
         assert set(phases) == {"arriving", "all_decoding", "ending"}
         assert all(0 <= c["over_25ms"] <= c["over_10ms"] for c in phases.values())
+
+
+def test_the_median_round_is_the_lower_middle_one():
+    from bench.serve import median_round
+
+    def rounds(*ratios):
+        return [{"ratio": x, "served_decode_tok_s": 1.0} for x in ratios]
+
+    assert median_round(rounds(1.2, 0.8, 1.0)) == 2
+    assert median_round(rounds(0.9, 1.1)) == 0
+    assert median_round([{"ratio": None, "served_decode_tok_s": v} for v in (5.0, 3.0, 4.0)]) == 2
 
 
 def test_session_mode_reuses_each_conversations_history(tmp_path):
