@@ -130,21 +130,24 @@ def test_a_huge_prompt_does_not_delay_live_streams(embedded_dir, tmp_path):
     assert not any(ended_early)
     assert min(max(a) for a in arrivals.values()) > c1 - 0.5  # the streams were live to the end
 
-    def worst_extra(touches):  # the largest gap over its stream's typical gap, less stolen time
-        worst = 0.0
+    def worst_extra(touches):  # the largest gap over its stream's typical gap, less stolen time; when it began
+        worst, at = 0.0, None
         for times in arrivals.values():
             gaps = [b - a for a, b in zip(times, times[1:])]
             typical = sorted(gaps)[len(gaps) // 2]
-            worst = max([worst, *(b - a - typical - stolen.within(a, b)
-                                  for a, b in zip(times, times[1:]) if touches(a, b))])
-        return worst
+            for a, b in zip(times, times[1:]):
+                extra = b - a - typical - stolen.within(a, b)
+                if touches(a, b) and extra > worst:
+                    worst, at = extra, a
+        return worst, at
 
-    during = worst_extra(lambda a, b: b >= t0 and a <= t1)
-    quiet = worst_extra(lambda a, b: (a >= c0 and b < t0) or (a > t1 and b <= c1))
-    print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms "
+    (during, at), (quiet, _) = worst_extra(lambda a, b: b >= t0 and a <= t1), \
+        worst_extra(lambda a, b: (a >= c0 and b < t0) or (a > t1 and b <= c1))
+    where = f", {at - t0:.2f} s after the prompt was sent" if at is not None else ""
+    print(f"\nhuge prompt handled in {t1 - t0:.2f} s; worst extra gap of a live stream {during * 1e3:.1f} ms{where} "
           f"(quiet windows: {quiet * 1e3:.1f} ms; stolen over the run: {stolen.within(c0, c1) * 1e3:.0f} ms)")
     assert t1 - t0 > 0.1  # the prompt really cost the front end time
-    assert during <= max(0.05, quiet)
+    assert during <= max(0.05, quiet), f"a stream's gap grew {during * 1e3:.1f} ms{where} (handled in {t1 - t0:.2f} s)"
 
 
 @pytest.mark.slow
