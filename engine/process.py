@@ -90,11 +90,23 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
     sys.exit(code)
 
 
-def _warm_up(engine: Engine) -> None:
-    """One short request through every part of a step (the first step pays one-time costs)."""
-    engine.add_request(Request("warmup", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
-    while engine.has_work():
-        engine.step()
+# Prompt lengths of the warm-up requests, run one after another. The first forward of each kind in a
+# process pays one-time costs: lazy initialisation, and on CUDA Triton compiling (or loading from its
+# on-disk cache) each kernel form that forward launches. 3 tokens run a step through the forms a
+# decode step launches; 48 and 49 tokens are prefill forwards wide enough for the plain (non-PDL)
+# forms (kernels/launch.worthwhile), at a row count Triton specializes as a multiple of 16 and at
+# one it does not. Without the last two a 4B model's first prompt of a user waited ~0.6 s for them.
+WARM_UP_PROMPTS = (3, 48, 49)
+
+
+def _warm_up(engine: Engine, lengths: tuple[int, ...] = WARM_UP_PROMPTS) -> None:
+    """Requests of `lengths` prompt tokens through the engine, one at a time, before it serves;
+    its counters start from zero after them."""
+    for i, n in enumerate(lengths):
+        n = max(1, min(n, engine.max_model_len - 2))
+        engine.add_request(Request(f"warmup{i}", list(range(2, 2 + n)), SamplingParams(max_tokens=2, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
     engine.stats.update(steps=0, prefill_tokens=0, decode_tokens=0)
 
 

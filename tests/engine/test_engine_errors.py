@@ -102,3 +102,23 @@ def test_rows_running_out_swap_out_the_least_recently_used_idle_session(engine):
     for sid in (sids[0], sids[2], sids[3]):
         assert engine.session_info(sid)["state"] == "resident"
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("max_model_len", [256, 20])
+def test_the_engine_process_warm_up_leaves_no_trace(max_model_len):
+    """The warm-up's prompts (clamped to a short context) run to the end; afterwards no row is
+    held, the counters read zero and the engine serves as it would have without it."""
+    from engine.process import WARM_UP_PROMPTS, _warm_up
+
+    cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, max_rows=4,
+                       kv_cache_bytes=1 << 22, max_model_len=max_model_len)
+    warmed, fresh = Engine(cfg, tiny_loaded(0)), Engine(cfg, tiny_loaded(0))
+    _warm_up(warmed)
+    assert len(WARM_UP_PROMPTS) == 3 and max(WARM_UP_PROMPTS) > 32
+    assert not warmed.has_work() and warmed.pool.num_free_rows == warmed.pool.num_rows
+    assert (warmed.stats["steps"], warmed.stats["prefill_tokens"], warmed.stats["decode_tokens"]) == (0, 0, 0)
+    warmed.check_invariants()
+    def requests():
+        return [Request("a", [5, 6, 7], greedy(8)), Request("b", [9, 10], greedy(6))]
+
+    assert run_all(warmed, requests()) == run_all(fresh, requests())
