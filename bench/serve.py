@@ -16,8 +16,9 @@ errors, goodput under an SLO (--slo-ttft, --slo-tpot), and the server's event-lo
 this process (`bench.throughput.run_engine`), with the started server idle beside it, right before
 the served run, so `served / engine` is one number from one run. `--rounds K` repeats that pair K
 times and reports the median round: on a machine whose speed drifts (a virtual machine whose
-hypervisor takes CPU time, recorded per run as `stolen_s`) one pair alone can read 0.8 or 1.2. Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's
-`return_token_ids`; a coalesced chunk carries several), else one token per chunk.
+hypervisor takes CPU time, recorded per run as `stolen_s`) one pair alone can read 0.8 or 1.2.
+Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's `return_token_ids`; a coalesced
+chunk carries several), else one token per chunk.
 
     python -m bench.serve --model embedded --n 1 8 32 --new-tokens 128      # CPU, int8 as served
     python -m bench.serve --shape gemma3-1b --device cuda --dtype bfloat16 --n 64 256 --new-tokens 512
