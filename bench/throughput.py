@@ -218,7 +218,7 @@ def shape_models(name: str, device: str, dtype: torch.dtype, with_hf: bool = Tru
         return model, None
     free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 1 << 62
     if model.num_parameters() * dtype.itemsize > free / 3:  # no room for a second copy and the KV pool
-        return model, model  # HF and the engine take turns (a fused forward's weights are the modules' own)
+        return model, model  # HF and the engine share it: main() runs every HF baseline first
     hf = copy.deepcopy(model)
     hf.set_attn_implementation("sdpa")
     return model, hf
@@ -273,6 +273,24 @@ def step_weight_bytes(model, n_tokens: int = 1) -> int:
             nbytes = nbytes * (1 - (1 - min(top_k, e) / e) ** n_tokens)
         total += nbytes
     return int(total)
+
+
+def bnb4_coverage(model) -> dict:
+    """What of the decoder layers' weights bitsandbytes holds in NF4: the parameters of its 4-bit
+    linears, and, by name within a layer, those of the other weights of two or more dimensions,
+    left in the model's dtype (bitsandbytes quantizes `nn.Linear` modules only; Gemma 4's experts
+    are 3-D parameters)."""
+    nf4, left = 0, {}
+    for layer in model.get_decoder().layers:
+        for name, mod in layer.named_modules():
+            if type(mod).__name__ == "Linear4bit":
+                nf4 += mod.in_features * mod.out_features
+                continue
+            for p_name, p in mod.named_parameters(recurse=False):
+                if p.dim() >= 2:
+                    key = f"{name}.{p_name}" if name else p_name
+                    left[key] = left.get(key, 0) + p.numel()
+    return {"nf4_params": nf4, "left_in_dtype": left}
 
 
 def source_digest() -> str:
@@ -411,12 +429,29 @@ def main() -> None:
     engines: dict[str, object] = {}
     hf_for: dict[str, object] = {}  # HF baseline per engine weights, where it differs from `hf`
     stock_for: dict[str, object] = {}  # the model the stock layers run, where not the engine's
+    notes: list[str] = []  # printed before the table and kept in the result
     if a.shape:
         from engine.model.loader import LoadedModel
 
         model, hf = shape_models(a.shape, a.device, dtype)
         engines["float32"], a.model = LoadedModel(model, None, a.shape), a.shape
-        if "bnb-4bit" in weights:  # the same weights in NF4, for the engine and for HF alike
+        if "bnb-4bit" in weights and hf is model:
+            # no room for copies (shape_models): the one model is quantized in place, for the engine
+            # and HF alike; HF generate runs first (below), before an engine build changes it
+            from engine.model.loader import quantize_bnb4
+
+            if "float32" in weights:
+                ap.error(f"{a.shape}: no room for the {a.dtype} weights beside their 4-bit copy; "
+                         "run --weights float32 and --weights bnb-4bit separately")
+            engines["bnb-4bit"] = LoadedModel(quantize_bnb4(model, dtype), None, a.shape)
+            hf_for["bnb-4bit"] = model
+            if {"fused", "stock"} <= set(a.layers):
+                notes.append("stock layers not run: with no room for a copy of the model, the fused forward's "
+                             "build repacks the one model's 4-bit linears into the engine's NF4 linears "
+                             "(model/nf4_linear.py), after which the stock layers would no longer run "
+                             "bitsandbytes' own")
+                a.layers = [x for x in a.layers if x != "stock"]
+        elif "bnb-4bit" in weights:  # the same weights in NF4, for the engine and for HF alike
             import copy
 
             from engine.model.loader import quantize_bnb4
@@ -441,20 +476,44 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
     loaded = next(iter(engines.values()))
     weight_bytes = {w: step_weight_bytes(m.model) for w, m in engines.items()}  # at N=1
+    coverage = bnb4_coverage(engines["bnb-4bit"].model) if "bnb-4bit" in engines else None
+    if coverage and coverage["left_in_dtype"]:
+        left = coverage["left_in_dtype"]
+        notes.append(f"bnb-4bit here is not a 4-bit model: bitsandbytes quantizes nn.Linear modules only, so "
+                     f"{coverage['nf4_params'] / 1e9:.2f}B parameters of the decoder layers are NF4 (attention, "
+                     f"MLP, router linears) and {sum(left.values()) / 1e9:.2f}B stay {a.dtype} "
+                     f"({', '.join(left)})")
     bandwidth = copy_bandwidth(a.device)
     vocab = loaded.model.config.vocab_size
     rows = []
+
+    def hf_baselines(prompts, own: tuple[str, ...]) -> tuple[dict | None, dict | None, dict[str, dict]]:
+        """HF generate on `prompts`: on `hf` (where an engine has no HF model of its own in hf_for),
+        with a static cache too (--hf-static), and on hf_for's model for each engine weights in `own`."""
+        on_hf = bool(set(engines) - set(hf_for))
+        default = run_hf(hf, prompts, a.new_tokens, pad_id=0) if on_hf else None
+        static = run_hf(hf, prompts, a.new_tokens, pad_id=0, static=True) if a.hf_static and on_hf else None
+        return default, static, {w: run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) for w in own}
+
+    # HF on the engine's own model (shape_models found no room for a copy): every HF run, at every N,
+    # comes before the first engine build, which changes the model's modules (the fused forward
+    # repacks 4-bit linears into the engine's NF4 linears; the stock layers fuse norms). Otherwise
+    # HF runs at each N just before the engines, and on hf_for's model just before that weights'.
+    shared = hf is loaded.model
+    early = {n: hf_baselines(prompts_for(loaded.tokenizer, vocab, n, a.prompt_len), tuple(hf_for))
+             for n in a.n} if shared else {}
+    for note in notes:
+        print(f"note: {note}", flush=True)
     print(f"{'n':>3} {'weights':>8} {'layers':>6} {'ahead':>5} {'pdl':>4} {'policy':>7} {'decode tok/s':>13} {'tail tok/s':>10} "
           f"{'HF tok/s':>9} {'vs HF':>6} {'vs floor':>8} {'TTFT s':>7} {'1st TTFT s':>10} {'HF TTFT s':>9} "
           f"{'KV B/session':>13}"
           + (f" {'HF static tok/s':>15} {'vs static':>9}" if a.hf_static else ""), flush=True)
     for n in a.n:
         prompts = prompts_for(loaded.tokenizer, vocab, n, a.prompt_len)
-        hf_default = run_hf(hf, prompts, a.new_tokens, pad_id=0) if set(engines) - set(hf_for) else None
-        hf_static = (run_hf(hf, prompts, a.new_tokens, pad_id=0, static=True)
-                     if a.hf_static and set(engines) - set(hf_for) else None)
+        hf_default, hf_static, hf_own = early[n] if shared else hf_baselines(prompts, ())
         for w, eng in engines.items():
-            hf_res = run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default
+            hf_res = (hf_own[w] if w in hf_own else
+                      run_hf(hf_for[w], prompts, a.new_tokens, pad_id=0) if w in hf_for else hf_default)
             policies = a.policies if len(engines) == 1 or w != "float32" else (a.float32_policies or ["s5"])
             for layers, overlap, pdl, stall, budget, policy in [
                     (x, o, d, st, b, p) for x in a.layers for o in a.overlap for d in a.pdl
@@ -517,7 +576,7 @@ def main() -> None:
         "workload": {"name": "decode-1238", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                      "greedy": True, "ignore_eos": True, "threads": torch.get_num_threads(),
                      "engine_warm_up": not a.no_warm_up},
-        "rows": rows, "quality": qualities,
+        "rows": rows, "quality": qualities, "notes": notes, "bnb_4bit_coverage": coverage,
     }
     kind = "cuda" if a.device.startswith("cuda") else "cpu"
     write_result(a.out, f"throughput-{kind}{'-' + a.shape if a.shape else ''}", result, a.tag)
