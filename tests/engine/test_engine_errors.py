@@ -118,6 +118,7 @@ def test_the_engine_process_warm_up_leaves_no_trace(max_model_len):
     assert not warmed.has_work() and warmed.pool.num_free_rows == warmed.pool.num_rows
     assert (warmed.stats["steps"], warmed.stats["prefill_tokens"], warmed.stats["decode_tokens"]) == (0, 0, 0)
     warmed.check_invariants()
+
     def requests():
         return [Request("a", [5, 6, 7], greedy(8)), Request("b", [9, 10], greedy(6))]
 
