@@ -51,7 +51,7 @@ def scorer_model(a) -> tuple[object, object]:
 
 
 def model_dir(a) -> Path:
-    from engine.model.loader import embedded_dir
+    from engine.model.source import embedded_dir
 
     return embedded_dir() if a.model == "embedded" else Path(a.model)
 

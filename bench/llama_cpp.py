@@ -49,7 +49,7 @@ def peer_dir(cache_dir: str | Path | None = None) -> Path:
     if cache_dir:
         root = Path(cache_dir)
     else:
-        from engine.model.loader import default_cache_dir
+        from engine.model.source import default_cache_dir
 
         root = default_cache_dir()
     return root / "peers" / f"llama.cpp-{VERSION}"

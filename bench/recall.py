@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None, loaded: LoadedModel | None = None, refer
     if n_docs:
         from transformers import AutoModelForCausalLM
 
-        from engine.model.loader import embedded_dir
+        from engine.model.source import embedded_dir
 
         ref = reference
         if ref is None:

@@ -572,7 +572,7 @@ def main() -> None:
         from transformers import AutoConfig
 
         from engine import EngineConfig
-        from engine.model.loader import embedded_dir, load_tokenizer
+        from engine.model.source import embedded_dir, load_tokenizer
 
         cfg = EngineConfig(model=spec, device=a.device, dtype=a.dtype)
         tokenizer = load_tokenizer(cfg)

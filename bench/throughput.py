@@ -467,7 +467,7 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from engine.model.loader import embedded_dir
+        from engine.model.source import embedded_dir
 
         for w in weights:
             engines[w] = load_model(EngineConfig(model=a.model, device=a.device, dtype=a.dtype,

@@ -28,7 +28,8 @@ Map of the package (one owner per resource, data flows top to bottom):
       sampler.py       greedy / temperature / top-k / top-p / seeded sampling, per row
       token_mask.py    grammar masks applied to the rows that have one, and their picks
     model/           weights and the forwards that run them
-      loader.py        a model spec ("embedded", a path, an id, "tiny-random") to weights
+      source.py        a model spec ("embedded", a path, an id, "tiny-random") to its files, tokenizer
+      loader.py        a model spec to weights, quantized as configured
       prepare.py       every change the engine makes to a loaded model, and the forward it runs
       hf_adapter.py    the stock transformers forward with the engine's attention
       fused_forward.py the engine's own Gemma 3 layer forward: fused weights, elementwise kernels

@@ -21,7 +21,7 @@ import msgspec
 
 from engine import ipc
 from engine.client import Attach, EngineClient, EngineDead
-from engine.model.loader import load_tokenizer
+from engine.model.source import load_tokenizer
 from service.logprobs import TokenText
 from service import chat, errors
 from service.metrics import Metrics, SharedMetrics

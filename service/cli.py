@@ -33,7 +33,7 @@ def _serve(argv: list[str]) -> int:
     if (warning := exposure_warning(settings)) is not None:
         log.warning(warning)
     if settings.engine.model == "embedded":
-        from engine.model.loader import embedded_dir
+        from engine.model.source import embedded_dir
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
         embedded_dir(settings.engine.cache_dir, report=lambda line: print(line, flush=True))

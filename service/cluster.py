@@ -432,7 +432,7 @@ def main(argv: list[str]) -> int:
     if (warning := exposure_warning(cluster.serve)) is not None:
         log.warning(warning)
     if cluster.serve.engine.model == "embedded":
-        from engine.model.loader import embedded_dir
+        from engine.model.source import embedded_dir
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
         embedded_dir(cluster.serve.engine.cache_dir, report=lambda line: print(line, flush=True))

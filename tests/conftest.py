@@ -6,7 +6,7 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def embedded_dir():
-    from engine.model.loader import embedded_dir as _embedded_dir
+    from engine.model.source import embedded_dir as _embedded_dir
 
     return _embedded_dir(progress=False)
 

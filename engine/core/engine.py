@@ -474,7 +474,7 @@ def _cpu_layer_ops(config: EngineConfig, pool: RowPool):
 
 def _cpu_kernel(kind, config: EngineConfig, otherwise: str):
     from engine.kernels.native import KernelUnavailable
-    from engine.model.loader import default_cache_dir
+    from engine.model.source import default_cache_dir
 
     try:
         return kind(Path(config.cache_dir) if config.cache_dir else default_cache_dir())

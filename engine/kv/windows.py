@@ -116,7 +116,7 @@ def solve_windows(cost: dict[int, dict[int, float]], position_bytes: dict[int, i
 def model_dir(config) -> Path | None:
     """Where the model's files (and its window profile) live, if on this machine."""
     if config.model == "embedded":
-        from engine.model.loader import embedded_dir
+        from engine.model.source import embedded_dir
 
         return embedded_dir(config.cache_dir, progress=False)
     return Path(config.model) if Path(config.model).is_dir() else None

@@ -13,7 +13,7 @@ from bench import fidelity
 from engine import EngineConfig
 from engine.kv.windows import budget_windows
 from engine.model.hf_adapter import geometry
-from engine.model.loader import EMBEDDED_NAME
+from engine.model.source import EMBEDDED_NAME
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.model import loader as model_loader
-from engine.model.loader import EMBEDDED_NAME, embedded_dir, tiny_random_model
+from engine.model import source
+from engine.model.loader import tiny_random_model
+from engine.model.source import EMBEDDED_NAME, embedded_dir
 
 
 class FakeTokenizer:
@@ -52,7 +53,7 @@ def test_conversion_reports_every_phase_with_elapsed_time(fake_gguf):
 
 
 def test_default_report_goes_to_the_log(fake_gguf, caplog):
-    caplog.set_level("INFO", logger=model_loader.__name__)
+    caplog.set_level("INFO", logger=source.__name__)
     embedded_dir(fake_gguf, progress=False)
     assert sum("done in" in r.getMessage() for r in caplog.records) == 4
 

@@ -7,7 +7,7 @@ import gc
 import subprocess
 import sys
 
-from engine.model.loader import collector_paused
+from engine.model.source import collector_paused
 
 
 def test_the_front_end_does_not_import_the_model_runner():
