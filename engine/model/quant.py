@@ -161,6 +161,24 @@ def block_sums128(q: torch.Tensor, block: int) -> torch.Tensor:
     return sums.view(n8 // 8, 8, k // block).transpose(1, 2).contiguous()
 
 
+def quantize_packed(weight: torch.Tensor, block: int, rows: int = 2048) -> tuple[torch.Tensor, ...]:
+    """(pack_rows(q), scale, block_sums128(q, block)) of `quantize_rows(weight)`, `rows` output
+    rows at a time: each slice's passes stay in the cache, where whole-weight passes over an output
+    layer (Gemma's: 262144 x 640 float32, 671 MB) go to memory and back several times (1.7 s
+    against 0.8 s on 2 cores)."""
+    n, k = weight.shape
+    n8 = -(-n // 8) * 8
+    packed = torch.empty(n8 // 8, k // 8, 8, 8, dtype=torch.int8)
+    scale = torch.empty(n)
+    sums = torch.empty(n8 // 8, k // block, 8, dtype=torch.int32)
+    for lo in range(0, n, rows):  # rows is a multiple of 8: slices of packed blocks line up
+        hi = min(n, lo + rows)
+        q, scale[lo:hi] = quantize_rows(weight[lo:hi])
+        packed[lo // 8: -(-hi // 8)] = pack_rows(q)
+        sums[lo // 8: -(-hi // 8)] = block_sums128(q, block)
+    return packed, scale, sums
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """An int8 weight as a product reads it: the kernel's packed layout, one float32 scale per
@@ -216,13 +234,13 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.block = activation_block(linear.in_features)
-        q, scale = quantize_rows(linear.weight)
-        self.register_buffer("qweight", pack_rows(q))  # the kernel's layout
+        packed, scale, sums = quantize_packed(linear.weight, self.block)
+        self.register_buffer("qweight", packed)  # the kernel's layout
         self.register_buffer("scale", scale)
-        self.register_buffer("wsum128", block_sums128(q, self.block))
+        self.register_buffer("wsum128", sums)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.kernel = kernel
-        self.ints = q.float() if kernel is None else None
+        self.ints = unpack_rows(packed, self.out_features).float() if kernel is None else None
 
     @property
     def weight(self) -> Int8Weight:

@@ -13,7 +13,7 @@ from engine import Engine, EngineConfig, Request
 from engine.model import quant
 from engine.model.loader import LoadedModel, load_model
 from engine.model.quant import (Int8Linear, Int8Weight, KernelUnavailable, Q8Kernel, activation_block, block_sums128,
-                                pack_rows, quantize_rows, reference_matmul, unpack_rows)
+                                pack_rows, quantize_packed, quantize_rows, reference_matmul, unpack_rows)
 from tests.helpers import greedy, run_all
 
 RUNNABLE = [isa for isa, need in quant.ISA_FLAGS.items() if need <= quant._cpu_flags()]
@@ -82,6 +82,15 @@ def test_quantize_rows_error_bound_and_packing_round_trip():
     sums = block_sums128(q, 32)  # [8 blocks of rows, 3 activation blocks, 8 rows]
     assert sums.shape == (8, 3, 8)
     assert sums[0, 1, 2].item() == 128 * q[2, 32:64].sum().item() and sums[7, :, 5:].abs().sum() == 0  # padding
+
+
+@pytest.mark.parametrize("rows", [8, 16, 2048])
+def test_slice_by_slice_quantization_equals_the_whole_weights(rows):
+    w = torch.randn(61, 96)
+    q, scale = quantize_rows(w)
+    got = quantize_packed(w, 32, rows)
+    for a, b in zip(got, (pack_rows(q), scale, block_sums128(q, 32))):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_row_results_do_not_depend_on_the_batch(kernel):
