@@ -14,7 +14,11 @@ A row then sees one long gap per burst rather than one per prefill step.
 A request's prefill is one logical forward, or several when a row is rebuilt from a stored
 transcript (`forward_ends`): a chunk never crosses the end of one, so each is replayed as it ran.
 Admission is FIFO: a request that does not fit blocks those behind it, so big requests are not
-starved by a stream of small ones.
+starved by a stream of small ones. A prompt that a step can take whole (the budget less this
+step's decodes, where they come first) is not split behind other prompt chunks: where the budget
+left is short of it, it waits for the next step, which it starts. Its first chunk would only
+lengthen a step whose rows it does not finish, and it ends in the next step either way; so in a
+burst of such prompts each step ends with every prompt it started finished.
 """
 
 from __future__ import annotations
@@ -123,8 +127,11 @@ class Scheduler:
                 prefills.append(self._prefill(r, budget))
                 budget, seqs = budget - prefills[-1].num_tokens, seqs - 1
         admitted = []
+        whole = self.token_budget - len(decodes)  # what a step gives prompts
         while self.waiting and budget > 0 and seqs > 0:
             r = self.waiting[0]
+            if prefills and budget < self._piece(r) <= whole:
+                break  # the next step takes it whole
             if not admit(r.request_id):
                 break
             self.waiting.popleft()
@@ -150,6 +157,13 @@ class Scheduler:
             chunks.append(ScheduledChunk(r.request_id, 1, True, decode=True))
             budget, seqs = budget - 1, seqs - 1
         return budget, seqs
+
+    @staticmethod
+    def _piece(r: SchedRequest) -> int:
+        """Tokens to the end of the request's next logical forward (its prompt, where it has one)."""
+        if r._next_end < len(r.forward_ends):
+            return r.forward_ends[r._next_end] - r.num_scheduled
+        return r.num_remaining
 
     @staticmethod
     def _prefill(r: SchedRequest, budget: int) -> ScheduledChunk:

@@ -6,6 +6,12 @@ together as a batch (keys padded to the longest row with masked zero slots), the
 chunk on its own. Every index and mask is built once per step here and shared by all layers of the
 same layout; the per-layer work is a gather, one SDPA per group and one scatter.
 
+On CUDA in half precision, the chunks that start a row (position 0: nothing resident, nothing
+staged) come last and attend together in one variable-length flash attention call per layer
+(`_Group.varlen`): their keys are their own new tokens, in place in the packed sequence, and the
+mask reduces to causal plus the layer's attention window, which the kernel applies by blocks
+without a mask tensor. No gather, mask or K/V head copy is built for them.
+
 Mask (DESIGN.md section 1), for a query at position q in a forward that started at s:
 key k is visible iff  k <= q,  q - k < attn_window (sliding layers),  and on ring layers
 (k >= s  or  k < sink  or  k >= s - window), with the sink and window of the layer's ring
@@ -64,6 +70,9 @@ class _Group:
     # and on the ring layers: (store, attn_window) -> (slots [B, L] int64, lo, hi [B] int32), the
     # ring slots each row's query sees first, then the row's new token (entry hi - 1)
     ring_keys: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # chunks that start their rows, attending together: (cumulative token counts [B + 1] int32 on
+    # the device, longest chunk); their keys are their own tokens, packed[lo:hi]
+    varlen: tuple[torch.Tensor, int] | None = None
 
 
 class StepAttention:
@@ -79,7 +88,10 @@ class StepAttention:
         single = [c.num_tokens == 1 and c.forward_start == c.start for c in chunks]
         decode = [c for c, one in zip(chunks, single) if one]
         prefill = [c for c, one in zip(chunks, single) if not one]
-        self.order = decode + prefill  # packed order of the step's tokens
+        fresh = [c for c in prefill if c.start == 0] if _varlen_ok(pool) else []
+        if fresh:
+            prefill = [c for c in prefill if c.start != 0]
+        self.order = decode + prefill + fresh  # packed order of the step's tokens
         offsets, n = [], 0
         for c in self.order:
             offsets.append(n)
@@ -93,8 +105,14 @@ class StepAttention:
         self.groups: list[_Group] = []
         if decode:
             self.groups.append(self._group(decode, offsets[: len(decode)], classes, dev))
-        for c, off in zip(prefill, offsets[len(decode) :]):
+        for c, off in zip(prefill, offsets[len(decode) : len(decode) + len(prefill)]):
             self.groups.append(self._group([c], [off], classes, dev))
+        if fresh:
+            lo = offsets[len(decode) + len(prefill)]
+            cu = np.cumsum([0, *(c.num_tokens for c in fresh)], dtype=np.int32)
+            self.groups.append(_Group(lo, lo + int(cu[-1]), len(fresh), {}, [None] * len(fresh), {},
+                                      varlen=(torch.from_numpy(cu).to(dev),
+                                              max(c.num_tokens for c in fresh))))
         self._build_writes(offsets, dev)
 
     # ---- index building (host, once per step) -------------------------------------------------
@@ -258,6 +276,10 @@ class StepAttention:
             self._store_paged(layer, k_new, v_new)
         outs = []
         for g in self.groups:
+            if g.varlen is not None:
+                outs.append(_fresh_attention(q_all[:, g.lo : g.hi].transpose(0, 1), k_new[g.lo : g.hi],
+                                             v_new[g.lo : g.hi], g.varlen, lay.attn_window, scaling, softcap))
+                continue
             slots = g.gather[store]
             keys = g.paged_bounds if lay.paged else g.ring_keys
             if keys is not None and self.paged_decode.supports(q_all, pool.k[layer], softcap):
@@ -317,6 +339,40 @@ class StepAttention:
         """After the forward: the pool records every chunk's new length and ring positions."""
         for c in self.chunks:
             self.pool.commit(c.row, c.start + c.num_tokens, c.forward_start, c.forward_done)
+
+
+def _varlen_ok(pool: RowPool) -> bool:
+    """Whether chunks that start their rows attend through `_fresh_attention`'s flash kernel here:
+    CUDA, half precision, head sizes the kernel takes."""
+    if pool.device.type != "cuda" or pool.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    major, _ = torch.cuda.get_device_capability(pool.device)  # torch keeps the device's properties
+    return (major >= 8 and torch.backends.cuda.is_flash_attention_available()
+            and all(k.shape[-1] % 8 == 0 and k.shape[-1] <= 256 for k in pool.k))
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: tuple[torch.Tensor, int],
+                     attn_window: int | None, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Chunks that start their rows, packed: q [T, H, D], k and v [T, Hkv, D] (their own tokens);
+    `varlen`: (cumulative token counts [B + 1] int32, longest chunk). Each token sees the tokens of
+    its own chunk at or before it, within `attn_window` (q - k < attn_window). Returns [T, H, D]."""
+    cu, longest = varlen
+    if softcap is None:
+        window = -1 if attn_window is None else attn_window - 1
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling,
+            window_size_left=window, window_size_right=0)[0]
+    # the flash kernel here takes no softcap: one masked attention per chunk
+    outs, bounds = [], cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        pos = torch.arange(b - a, device=q.device)
+        m = pos[None, :] <= pos[:, None]
+        if attn_window is not None:
+            m &= (pos[:, None] - pos[None, :]) < attn_window
+        o = _sdpa(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+                  m[None, None], scaling, softcap)  # [1, H, T, D]
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
 
 
 def _survivors(ring, lo: int, hi: int, end: int | None = None) -> list[int]:

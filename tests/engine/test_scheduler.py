@@ -34,6 +34,21 @@ def test_budget_chunks_and_decodes_first():
     assert [c.request_id for c in s.schedule(cap.admit).chunks] == ["b"]
 
 
+
+def test_a_prompt_a_step_takes_whole_is_not_split_behind_other_prompts():
+    cap = Capacity(10)
+    s = Scheduler(token_budget=10, max_seqs=8)
+    for rid, n in (("a", 6), ("b", 6), ("c", 3), ("d", 25)):
+        s.add(SchedRequest(rid, n))
+    out = s.schedule(cap.admit)  # b fits a step whole, not the 4 tokens left: it starts the next
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 6)] and out.admitted == ["a"]
+    out = s.schedule(cap.admit)  # a decodes; b whole, and c whole in what is left
+    assert [(c.request_id, c.num_tokens, c.decode or c.prefill_done) for c in out.chunks] == [
+        ("a", 1, True), ("b", 6, True), ("c", 3, True)]
+    out = s.schedule(cap.admit)  # d is longer than any step: chunked in what the decodes leave
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 1), ("d", 7)]
+
+
 def test_fifo_admission_and_row_limit():
     cap = Capacity(1)
     s = Scheduler(token_budget=100, max_seqs=8)
