@@ -63,8 +63,12 @@ install: $(BIN)/.installed
 serve: install
 	$(BIN)/s5serve serve --model embedded --host $(HOST) --port $(PORT) $(SERVE_DEVICE)
 
+# Two at a time (pytest-xdist, a module per worker, one thread each: tests/conftest.py), then
+# alone the tests marked serial: those that bound a latency, and those whose threads keep every
+# core busy on their own.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # The CUDA kernels' logic on the CPU, in Triton's interpreter (the CPU torch build has no Triton).
 test-kernels: install

@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores (make test): one thread each, in this process and in the servers
+    # and engine processes it starts (they inherit the environment). Two threads each would make
+    # every OpenMP barrier wait for a thread the other worker's engine holds the core from.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

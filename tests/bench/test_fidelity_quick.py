@@ -15,7 +15,8 @@ from engine.kv.windows import budget_windows
 from engine.model.hf_adapter import geometry
 from engine.model.source import EMBEDDED_NAME
 
-pytestmark = pytest.mark.slow
+# its own threads keep both cores busy: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 class _Shape:  # geometry() reads a model's config and generation config only

@@ -15,7 +15,8 @@ from bench import recall
 from engine import EngineConfig
 from engine.model.loader import load_model
 
-pytestmark = pytest.mark.slow
+# its own threads keep both cores busy: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_recall_quick(embedded_dir, embedded_reference, tmp_path):

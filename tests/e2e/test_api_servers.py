@@ -24,6 +24,9 @@ A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}
 STREAM_KEYS = [f"key-{i}" for i in range(12)]  # one per concurrent stream: within the per-key limit
 
+# latency bounds: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = pytest.mark.serial
+
 
 def _children(pid: int) -> list[int]:
     return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]

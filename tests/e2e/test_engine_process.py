@@ -19,6 +19,9 @@ from tests.servers import LiveServer, engine_alone, free_port, server_process, s
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
 
+# latency bounds: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = pytest.mark.serial
+
 
 def test_concurrent_streams_equal_the_engine_in_process():
     prompts = [[2] + [(31 * i + 7 * t) % 500 + 3 for t in range(5 + 11 * i)] for i in range(12)]

@@ -17,6 +17,9 @@ from service.settings import Settings
 from tests.servers import LiveServer, alive, free_port, server_process
 from tests.helpers import greedy, tiny_loaded
 
+# latency bounds: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = pytest.mark.serial
+
 
 def requests(sampled_poison: bool):
     reqs = [Request(f"r{i}", [2] + [(13 * i + 7 * t) % 500 + 3 for t in range(9 + 5 * i)], greedy(12))

@@ -2,7 +2,7 @@
 bounded, the excess gets 429 with Retry-After, every admitted request completes, the server's
 memory stays flat across waves, and its event loop is not blocked for more than 50 ms (measured
 by the server itself: /metrics s5_event_loop_lag_seconds): at most one wake-up that late in each
-wave. A loop blocked by the server's own work (a sync call, the engine step on the loop) is late
+wave, after a first wave of the same size that is not counted. A loop blocked by the server's own work (a sync call, the engine step on the loop) is late
 on most of a wave's ~45 wake-ups. One late wake-up in a wave is the wave itself: its 80
 connections arrive together, and accepting them and running each request to its first await
 (parse, validate, hand to the engine) takes about 50 ms of the loop on a two-core machine (the
@@ -21,8 +21,12 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.servers import metric, server_process
+
+# latency bounds: run alone, after the tests that run in parallel (Makefile: test)
+pytestmark = pytest.mark.serial
 
 
 def lag_counts(url: str) -> tuple[float, float]:
@@ -69,8 +73,11 @@ async def idle(url: str) -> None:
 def measure(url: str, pid: int) -> dict:
     """The load generator's side (run in its own process): waves, lag window, RSS."""
     async def run():
-        await wave(url, 4)  # warm
+        # warm, not counted: a server's first burst of connections and refusals runs code paths
+        # for the first time (the 429 path among them)
+        await wave(url, 80)
         await idle(url)
+        refused_before = metric(url, "s5_rejections_total", 'code="queue_full"')
         rss, results, lag_n, lag_over = [], [], 0, []
         for _ in range(4):
             n0, ok0 = lag_counts(url)
@@ -80,7 +87,7 @@ def measure(url: str, pid: int) -> dict:
             n1, ok1 = lag_counts(url)
             lag_n += n1 - n0
             lag_over.append((n1 - n0) - (ok1 - ok0))
-        return {"results": results, "rss": rss, "lag_n": lag_n, "lag_over": lag_over}
+        return {"results": results, "rss": rss, "lag_n": lag_n, "lag_over": lag_over, "refused_before": refused_before}
     return asyncio.run(run())
 
 
@@ -101,7 +108,7 @@ def test_ten_times_capacity(tmp_path):
               f"admitted p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; event loop wake-ups over 50 ms late: "
               f"{lag_over} per wave of {lag_n:.0f} in all; server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
         assert rejected > 0 and admitted >= 4 * 8
-        assert metric(url, "s5_rejections_total", 'code="queue_full"') == rejected
+        assert metric(url, "s5_rejections_total", 'code="queue_full"') - res["refused_before"] == rejected
         assert lag_n > 50 and max(lag_over) <= 1
         assert growth < 64 * 2**20
         assert metric(url, "s5_kv_rows_used") == 0
