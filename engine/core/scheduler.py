@@ -45,6 +45,14 @@ class SchedRequest:
     def num_remaining(self) -> int:
         return self.num_prompt_tokens - self.num_scheduled
 
+    @property
+    def next_piece(self) -> int:
+        """Tokens to the end of the next logical forward (the rest of the prompt where no end is
+        marked): the most one chunk may take."""
+        if self._next_end < len(self.forward_ends):
+            return self.forward_ends[self._next_end] - self.num_scheduled
+        return self.num_remaining
+
 
 class ScheduledChunk(NamedTuple):
     request_id: str
@@ -130,7 +138,7 @@ class Scheduler:
         whole = self.token_budget - len(decodes)  # what a step gives prompts
         while self.waiting and budget > 0 and seqs > 0:
             r = self.waiting[0]
-            if prefills and budget < self._piece(r) <= whole:
+            if prefills and budget < r.next_piece <= whole:
                 break  # the next step takes it whole
             if not admit(r.request_id):
                 break
@@ -159,21 +167,12 @@ class Scheduler:
         return budget, seqs
 
     @staticmethod
-    def _piece(r: SchedRequest) -> int:
-        """Tokens to the end of the request's next logical forward (its prompt, where it has one)."""
-        if r._next_end < len(r.forward_ends):
-            return r.forward_ends[r._next_end] - r.num_scheduled
-        return r.num_remaining
-
-    @staticmethod
     def _prefill(r: SchedRequest, budget: int) -> ScheduledChunk:
-        n = min(r.num_remaining, budget)
-        forward_done = False
-        if r._next_end < len(r.forward_ends):
-            to_end = r.forward_ends[r._next_end] - r.num_scheduled
-            if n >= to_end:
-                n, forward_done = to_end, True
-                r._next_end += 1
+        piece = r.next_piece
+        n = min(piece, budget)
+        forward_done = n == piece and r._next_end < len(r.forward_ends)
+        if forward_done:
+            r._next_end += 1
         r.num_scheduled += n
         done = r.num_remaining == 0
         if done:

@@ -173,7 +173,8 @@ def quantize_packed(weight: torch.Tensor, block: int, rows: int = 2048) -> tuple
     sums = torch.empty(n8 // 8, k // block, 8, dtype=torch.int32)
     for lo in range(0, n, rows):  # rows is a multiple of 8: slices of packed blocks line up
         hi = min(n, lo + rows)
-        q, scale[lo:hi] = quantize_rows(weight[lo:hi])
+        q, scale_rows = quantize_rows(weight[lo:hi])
+        scale[lo:hi] = scale_rows
         packed[lo // 8: -(-hi // 8)] = pack_rows(q)
         sums[lo // 8: -(-hi // 8)] = block_sums128(q, block)
     return packed, scale, sums
