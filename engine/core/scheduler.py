@@ -18,7 +18,10 @@ starved by a stream of small ones. A prompt that a step can take whole (the budg
 step's decodes, where they come first) is not split behind other prompt chunks: where the budget
 left is short of it, it waits for the next step, which it starts. Its first chunk would only
 lengthen a step whose rows it does not finish, and it ends in the next step either way; so in a
-burst of such prompts each step ends with every prompt it started finished.
+burst of such prompts each step ends with every prompt it started finished. With prompts first,
+the budget such a step leaves is not given to decoding rows: they pause through the burst as
+they would if the prompt had been split to fill it (else every step of the burst would be one
+long gap of every stream).
 """
 
 from __future__ import annotations
@@ -136,10 +139,12 @@ class Scheduler:
                 budget, seqs = budget - prefills[-1].num_tokens, seqs - 1
         admitted = []
         whole = self.token_budget - len(decodes)  # what a step gives prompts
+        deferred = False  # a prompt waits for the next step to take it whole
         while self.waiting and budget > 0 and seqs > 0:
             r = self.waiting[0]
             if prefills and budget < r.next_piece <= whole:
-                break  # the next step takes it whole
+                deferred = True
+                break
             if not admit(r.request_id):
                 break
             self.waiting.popleft()
@@ -147,7 +152,7 @@ class Scheduler:
             admitted.append(r.request_id)
             prefills.append(self._prefill(r, budget))
             budget, seqs = budget - prefills[-1].num_tokens, seqs - 1
-        if prompts_first:
+        if prompts_first and not deferred:  # a burst's steps are the prompts': decoding rows pause through it
             self._decodes(decoding, decodes, budget, seqs)
         if len(decodes) == len(decoding):
             self._stalled_since = None

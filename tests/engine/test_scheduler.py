@@ -95,6 +95,29 @@ def test_prompts_take_the_budget_first_while_the_stall_bound_allows():
     assert shape(s.schedule(cap.admit)) == [("a", 1, True), ("b", 1, True), ("e", 6, False)]
 
 
+def test_a_burst_of_whole_prompts_pauses_decoding_rows_once():
+    """Prompts that a step takes whole leave part of each burst step unused; the decoding rows do
+    not take it (each such step would be a long gap of theirs), until the burst ends or the bound
+    passes."""
+    cap, clock = Capacity(10), Clock()
+    s = Scheduler(token_budget=10, max_seqs=8, max_decode_stall_s=1.0, clock=clock)
+    s.add(SchedRequest("a", 6))
+    s.schedule(cap.admit)
+    for rid in "bcd":
+        s.add(SchedRequest(rid, 6))
+    for rid in "bc":  # 4 tokens left in each, short of the next prompt: nobody decodes
+        clock.now += 0.1
+        assert shape(s.schedule(cap.admit)) == [(rid, 6, False)]
+    clock.now += 0.1
+    assert shape(s.schedule(cap.admit)) == [("a", 1, True), ("b", 1, True), ("c", 1, True), ("d", 6, False)]
+    assert shape(s.schedule(cap.admit)) == [(r, 1, True) for r in "abcd"]
+    s.add(SchedRequest("e", 6))
+    s.add(SchedRequest("f", 6))
+    assert shape(s.schedule(cap.admit)) == [("e", 6, False)]
+    clock.now += 1.1  # past the bound since the rows last decoded: they decode first, f whole in the rest
+    assert shape(s.schedule(cap.admit)) == [(r, 1, True) for r in "abcde"] + [("f", 5, False)]
+
+
 def test_a_row_stalled_past_the_bound_decodes_first():
     cap, clock = Capacity(10), Clock()
     s = Scheduler(token_budget=8, max_seqs=8, max_decode_stall_s=1.0, clock=clock)
