@@ -1,20 +1,23 @@
 """The fidelity frontier of restored-S5: text quality against KV bytes per session, per window.
 
-Two parts (both on the served weights: `--quantization int8` on the CPU by default):
+On the served weights (`--quantization int8` on the CPU by default); docs/fidelity.md gives the
+commands behind each result.
 
-`--sensitivity`: each sliding layer's perplexity (decode regime, bench/fidelity_core.py) when only
-that layer is bounded to sink + window, for every window of `--windows`. Written as the model's
-window profile (engine/kv/windows.py) beside the converted model and to bench/results/; the
-engine solves a per-layer window allocation under a byte budget from it (`--kv-budget`).
+`--ppl`: decode-regime perplexity (bench/fidelity_core.py) of native and of s5 at each window of
+`--windows`; each sliding layer's perplexity with only its window changed (to each of
+`--sens-windows`, the others exact or at `--base-window`), written as the model's window profile
+(engine/kv/windows.py) beside the converted model and to bench/results/; the per-layer windows
+solved from it for each budget of `--budgets`; then the prefill regime of each setting.
+`--extend FILE` keeps an earlier run's measurements and measures only what it lacks.
 
-`--sweep`: per setting (native; s5 at each window of `--windows`, and at the native window; s5
-with the per-layer windows solved for each budget of `--budgets`; the control), perplexity in
-the decode and prefill regimes, greedy agreement with native through the engine, the needle grid
-and multi-turn recall (bench/recall.py's), and KV bytes per session at 1k, 4k and 16k tokens.
-Prints a table, writes JSON and a PNG of quality against bytes per session to bench/results/.
+`--heldout N`: the same settings on N documents the profile was not measured on.
 
-    python -m bench.fidelity --sensitivity                  # the profile
-    python -m bench.fidelity --sweep                        # the frontier
+`--checks`: per setting, greedy agreement with native, the needle grid and multi-turn recall
+(bench/recall.py's). `--report`: the frontier table, JSON and a PNG of quality against KV bytes
+per session (at 1k, 4k and 16k tokens).
+
+    python -m bench.fidelity --ppl --docs 32 --base-window 160 --sens-windows 64 128 256 512
+    python -m bench.fidelity --report
     python -m bench.fidelity --quick                        # CI: the shipped default's perplexity
 """
 
@@ -78,23 +81,30 @@ def perplexities(a) -> dict:
                  "native_window": g.native_window, "uniform": {}, "sensitivity": {}, "allocations": {}}
     out = Path(a.out) / f"fidelity-ppl-{a.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.extend:  # an earlier run's measurements on the same documents, around the same window
+        res = extended(a, g.native_window)
+        res["allocations"] = {}
 
     def note(msg: str) -> None:
         out.write_text(json.dumps(res, indent=1))
         print(f"{msg}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     # decode regime first (it decides the allocation), then the prefill regime of every setting
-    res["native"] = {"decode": scorer.ppl(bounded_windows(types, None))}
-    note(f"native decode: {res['native']['decode']:.3f}")
+    if "native" not in res:
+        res["native"] = {"decode": scorer.ppl(bounded_windows(types, None))}
+        note(f"native decode: {res['native']['decode']:.3f}")
     first = [w for w in a.windows if w >= min(a.sens_windows) or w == a.base_window]  # what the allocation may choose
     for w in first:
-        res["uniform"][w] = {"decode": scorer.ppl(bounded_windows(types, w))}
-        note(f"s5 window {w} decode: {res['uniform'][w]['decode']:.3f}")
+        if w not in res["uniform"]:
+            res["uniform"][w] = {"decode": scorer.ppl(bounded_windows(types, w))}
+            note(f"s5 window {w} decode: {res['uniform'][w]['decode']:.3f}")
     base = bounded_windows(types, a.base_window)  # the other layers' windows while one changes
     res["base_window"] = a.base_window
     around = f"the others at {a.base_window}" if a.base_window else "the others exact"
     for w in a.sens_windows:
         for i in scorer.sliding_layers():
+            if w in res["sensitivity"].get(i, {}):
+                continue
             windows = list(base)
             windows[i] = w if w < g.native_window else None
             res["sensitivity"].setdefault(i, {})[w] = scorer.ppl(windows)
@@ -135,6 +145,19 @@ def perplexities(a) -> dict:
             res["control"]["prefill"] = scorer.ppl(bounded_windows(types, 64, "sink-window"), "prefill")
             note(f"control prefill: {res['control']['prefill']:.3f}")
     return res
+
+
+def extended(a, native_window: int) -> dict:
+    """`--extend FILE`: an earlier `--ppl` result (its keys back to numbers), checked to be on the
+    same documents, sink and base window, so that a run measures only what it lacks."""
+    old = json.loads(Path(a.extend).read_text())
+    same = (old["docs"], old["sink"], old["native_window"], old.get("base_window")) == (
+        a.docs, a.sink, native_window, a.base_window)
+    if not same:
+        raise SystemExit(f"--extend {a.extend}: measured on other documents, sink or base window")
+    old["uniform"] = {int(w): r for w, r in old["uniform"].items()}
+    old["sensitivity"] = {int(i): {int(w): p for w, p in ws.items()} for i, ws in old["sensitivity"].items()}
+    return old
 
 
 def heldout(a) -> dict:
@@ -207,7 +230,6 @@ def quick(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppl", action="store_true", help="perplexities, sensitivity, profile, allocations")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sens-windows", type=int, nargs="+", default=[64],
                     help="windows at which each sliding layer alone is bounded (the native window: "
                          "exact; around the exact model the profile scales other windows by the "
@@ -215,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-window", type=int, default=None,
                     help="measure each layer's windows with every other sliding layer at this window "
                          "(default: exact), the operating point the allocation is made around")
+    ap.add_argument("--extend", metavar="FILE", default=None,
+                    help="--ppl: keep the measurements of this earlier result (same documents, sink and base "
+                         "window) and measure only the windows it lacks")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1 / 2, 1 / 3, 1 / 4],
                     help="per-layer allocations within these fractions of native's sliding-layer bytes")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill regime")

@@ -130,7 +130,7 @@ def budget_windows(config, model_name: str, geometry, item_bytes: int) -> tuple[
     profile = find_profile(model_dir(config), model_name)
     if profile is None:
         raise ValueError(f"kv_budget needs the window profile of {model_name}: measure it once with "
-                         f"`python -m bench.fidelity --sensitivity --model {config.model}` (or give kv_windows)")
+                         f"`python -m bench.fidelity --ppl --model {config.model}` (or give kv_windows)")
     layers = bounded_layers(config.kv_policy, geometry.layer_types)
     missing = set(layers) - set(profile.layer_ppl)
     if missing or geometry.native_window != profile.native_window:
