@@ -67,7 +67,7 @@ serve: install
 # alone the tests marked serial: those that bound a latency, and those whose threads keep every
 # core busy on their own.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 # The CUDA kernels' logic on the CPU, in Triton's interpreter (the CPU torch build has no Triton).

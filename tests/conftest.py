@@ -11,6 +11,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# make test hands whole modules to two workers in collection order (--dist loadfile
+# --no-loadscope-reorder). The directories whose modules run longest (servers, clusters,
+# thousands of requests) come first, so the run does not end with one worker on a long module
+# while the other has nothing left.
+LONG_FIRST = ("reliability", "cluster", "e2e", "equivalence", "bench")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        parts = item.nodeid.split("/")
+        return LONG_FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each directory keeps its own order
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     from engine.model.source import embedded_dir as _embedded_dir
