@@ -88,6 +88,12 @@ class LiveServer:
         self.thread.join(15)
 
 
+# How long a started server may take to report ready: loading the embedded model while the other
+# test worker keeps a core busy. Not its conversion: tests of the embedded model take the
+# `embedded_dir` fixture, which converts it once before any server starts.
+READY_S = 120
+
+
 @contextmanager
 def server_process(log_path, *args: str):
     """A real `s5serve serve` process on a free port; yields (process, url) once it is ready."""
@@ -97,8 +103,9 @@ def server_process(log_path, *args: str):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "S5_SESSION_DB": str(Path(log_path).parent / "sessions.sqlite3")}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args],
                             env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + READY_S
     try:
-        for _ in range(600):
+        while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{url}/ready").status_code == 200:
                     break
@@ -108,7 +115,7 @@ def server_process(log_path, *args: str):
                 break
             time.sleep(0.1)
         else:
-            raise AssertionError("server never became ready: " + open(log_path).read())
+            raise AssertionError(f"server not ready in {READY_S} s: " + open(log_path).read())
         if proc.poll() is not None:
             raise AssertionError("server exited: " + open(log_path).read())
         yield proc, url

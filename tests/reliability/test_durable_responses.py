@@ -24,7 +24,7 @@ def sdk(url, key) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
-def test_a_stored_response_survives_a_crash_for_its_key_only(tmp_path):
+def test_a_stored_response_survives_a_crash_for_its_key_only(tmp_path, embedded_dir):
     db = str(tmp_path / "sessions.sqlite3")
     with server_process(tmp_path / "log1", *ARGS, "--session-db", db) as (proc, url):
         a, b = sdk(url, "key-a"), sdk(url, "key-b")
