@@ -64,9 +64,19 @@ class FusedRMSNorm(nn.Module):
         return y
 
 
+def norm_eps(module: nn.Module) -> float | None:
+    """An RMSNorm module's epsilon, under either name transformers' norms give it (`eps`,
+    `variance_epsilon`); None if it has neither."""
+    for name in ("eps", "variance_epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
 def _is_rmsnorm(module: nn.Module) -> bool:
     return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm) and isinstance(getattr(module, "weight", None), torch.Tensor)
-            and module.weight.dim() == 1 and hasattr(module, "eps"))
+            and module.weight.dim() == 1 and norm_eps(module) is not None)
 
 
 @torch.no_grad()
@@ -86,7 +96,7 @@ def fuse_norms(model: nn.Module) -> int:
                 if checked[key] is None:
                     log.warning("%s: no fused form matches; kept as is", type(child).__name__)
             if checked[key] is not None:
-                setattr(parent, name, FusedRMSNorm(child.weight, child.eps, checked[key]))
+                setattr(parent, name, FusedRMSNorm(child.weight, norm_eps(child), checked[key]))
                 replaced += 1
     return replaced
 
@@ -97,7 +107,7 @@ def _matching_offset(norm: nn.Module) -> float | None:
     x = torch.randn(3, 5, n, device=norm.weight.device, generator=gen).to(norm.weight.dtype) * 3
     want = norm(x).float()
     for offset in (1.0, 0.0):
-        got = FusedRMSNorm(norm.weight, norm.eps, offset)(x).float()
+        got = FusedRMSNorm(norm.weight, norm_eps(norm), offset)(x).float()
         if torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
             return offset
     return None

@@ -84,7 +84,7 @@ def test_fused_forward_takes_norms_a_stock_engine_substituted(family):
     """On CUDA, an engine on the stock layers puts FusedRMSNorm in for the model's norms (offset 1
     for Gemma 3's 1 + w, 0 for Gemma 4's w); a fused engine built later on the same model (a
     benchmark running both) still takes it, reading the same weights."""
-    from engine.kernels.rmsnorm import FusedRMSNorm, _is_rmsnorm
+    from engine.kernels.rmsnorm import FusedRMSNorm, _is_rmsnorm, norm_eps
 
     model = _tiny(family).model
     build = fused_gemma4.build if family == "gemma4" else fused_forward.build
@@ -93,7 +93,7 @@ def test_fused_forward_takes_norms_a_stock_engine_substituted(family):
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_rmsnorm(child):
-                setattr(parent, name, FusedRMSNorm(child.weight, child.eps, 1.0 if family == "gemma3" else 0.0))
+                setattr(parent, name, FusedRMSNorm(child.weight, norm_eps(child), 1.0 if family == "gemma3" else 0.0))
                 swapped += 1
     assert swapped >= 4 * model.config.num_hidden_layers
     fused = build(model)
