@@ -2,7 +2,8 @@
 (`bench.throughput.run_engine`) against the same prompts through the engine process, driven by an
 `EngineClient` with no HTTP in between, alternating for `--rounds` rounds. Decode tok/s counts
 the tokens that arrive while every row decodes (from the last row's first token to the first
-row's last), as `bench.throughput` and `bench.serve` do.
+row's last), as `bench.throughput` and `bench.serve` do (the process side through
+`bench.serve.summarize` itself).
 
     python -m bench.process_overhead --n 32 --new-tokens 192 --rounds 2
 """
@@ -16,7 +17,7 @@ import random
 import time
 from pathlib import Path
 
-from bench.serve import engine_settings
+from bench.serve import engine_settings, summarize
 from bench.throughput import run_engine
 from engine import EngineConfig, Request, SamplingParams
 from engine.client import EngineClient
@@ -24,27 +25,23 @@ from engine.model.loader import load_model
 
 
 async def through_process(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The prompts through the engine process, all at once; each stream's deltas in the form
+    `bench.serve.summarize` reads (arrival time, tokens), so the decode window is the same."""
     client = EngineClient(cfg)
     await client.start()
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    arrivals: dict[int, list[float]] = {}
-
-    async def one(i: int, prompt: list[int]) -> None:
-        stream = await client.generate(Request(f"p{i}", prompt, params))
-        times: list[float] = []
-        async for delta in stream:
-            times += [delta.arrived] * len(delta.token_ids)
-        arrivals[i] = times
-
     t0 = time.monotonic()
+
+    async def one(i: int, prompt: list[int]) -> dict:
+        stream = await client.generate(Request(f"p{i}", prompt, params))
+        return {"sent": t0, "error": None, "chunks": [(d.arrived, len(d.token_ids)) async for d in stream if d.token_ids]}
+
     try:
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     finally:
         await client.shutdown()
-    start = max(t[0] for t in arrivals.values())
-    end = min(t[-1] for t in arrivals.values())
-    tokens = sum(sum(1 for x in t if start <= x <= end) for t in arrivals.values())
-    return {"decode_tok_s": tokens / (end - start), "ttft_s": sum(t[0] - t0 for t in arrivals.values()) / len(prompts)}
+    summary = summarize(results, slo_ttft=float("inf"), slo_tpot=float("inf"))
+    return {"decode_tok_s": summary["decode_tok_s"], "ttft_s": summary["ttft_s"]["mean"]}
 
 
 def main() -> None:
@@ -61,9 +58,11 @@ def main() -> None:
     settings = {k: v for k, v in engine_settings(argparse.Namespace(device="cpu", max_batched_tokens=None,
                                                                     max_decode_stall_ms=None), a.n).items()
                 if v is not None}
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 200000) for _ in range(a.prompt_len)] for _ in range(a.n)]
     loaded = load_model(EngineConfig(model=a.model, quantization=quant))
+    vocab = loaded.model.config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(min(1000, vocab // 2), min(200000, vocab)) for _ in range(a.prompt_len)]
+               for _ in range(a.n)]
     run_engine(loaded, "s5", prompts[:2], 8, "cpu", **settings)  # warm-up, as the process warms itself up
     cfg = EngineConfig(model=a.model, quantization=quant, **settings)
     rounds = []

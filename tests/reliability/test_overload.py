@@ -3,10 +3,11 @@ bounded, the excess gets 429 with Retry-After, every admitted request completes,
 memory stays flat across waves, and its event loop is not blocked for more than 50 ms (measured
 by the server itself: /metrics s5_event_loop_lag_seconds): at most one wake-up that late in each
 wave, after a first wave of the same size that is not counted. A loop blocked by the server's
-own work (a sync call, the engine step on the loop) is late on most of a wave's ~45 wake-ups. One late wake-up in a wave is the wave itself: its 80
-connections arrive together, and accepting them and running each request to its first await
-(parse, validate, hand to the engine) takes about 50 ms of the loop on a two-core machine (the
-front end's garbage collections, timed in s5_gc_pause_seconds, are a few milliseconds in all).
+own work (a sync call, the engine step on the loop) is late on most of a wave's ~45 wake-ups.
+One late wake-up in a wave is the wave itself: its 80 connections arrive together, and
+accepting them and running each request to its first await (parse, validate, hand to the
+engine) takes about 50 ms of the loop on a two-core machine (the front end's garbage
+collections, timed in s5_gc_pause_seconds, are a few milliseconds in all).
 
 The load comes from a separate process at lower CPU priority (`nice 10`): in production clients
 are elsewhere, and on a two-core test machine a load generator at equal priority takes the
