@@ -352,13 +352,14 @@ class EngineClient:
                 self._take(decode(frame.buffer), waiting)
             # Consumers resume in groups, one pass of the event loop each: a pass never runs more
             # than WAKE_GROUP streams' work, so timers and new requests wait at most that long.
-            # Steps that arrive meanwhile are read together next time, their tokens coalesced.
+            # This task yields after every group, the last too, so the next messages' first group
+            # is not woken into the same pass. Steps that arrive meanwhile are read together next
+            # time, their tokens coalesced.
             group = list(waiting.values())
             for i in range(0, len(group), WAKE_GROUP):
-                if i:
-                    await asyncio.sleep(0)
                 for stream in group[i : i + WAKE_GROUP]:
                     stream._wake()
+                await asyncio.sleep(0)
 
     def _take(self, msg, waiting: dict[str, RequestStream]) -> None:
         """One message from the engine: outputs into their streams, a reply to its call."""
