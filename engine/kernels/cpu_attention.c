@@ -13,8 +13,9 @@
    exponentials and their sum, and the weighted sum of the values (one pass over the values); the
    splits are then merged, rescaled to the row's maximum, and divided by the total. Each sum runs
    in a fixed order over fixed 8-lane partial sums, so a row's output does not depend on the other
-   rows of the batch or on how tasks are spread over threads. Tasks are split across OpenMP
-   threads (the process's one OpenMP runtime, shared with torch). */
+   rows of the batch or on how tasks are spread over threads. Tasks are handed to OpenMP
+   threads (the process's one OpenMP runtime, shared with torch) one at a time as each becomes
+   free, so a thread the OS preempts does not hold the others back. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -102,7 +103,7 @@ int cpu_decode_attention(const float *q, const float *kpool, const float *vpool,
     {
         float *scores = malloc((size_t)G * SPLIT * sizeof(float));
         if (!scores) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             const int b = (int)(t / ((int64_t)Hkv * S)), h = (int)(t / S % Hkv), sp = (int)(t % S);
             const int j0 = lo[b] + sp * SPLIT, j1 = hi[b] < j0 + SPLIT ? hi[b] : j0 + SPLIT;

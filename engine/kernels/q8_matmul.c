@@ -21,9 +21,10 @@
    - AVX2: activations widened to int16 once, weights 16 at a time; madd sums pairs into int32.
 
    Output rows are split across OpenMP threads (the process's one OpenMP runtime, shared with
-   torch) in groups of 8-row blocks. */
+   torch) in groups of 8-row blocks, handed out in chunks as threads become free (`share`). */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,10 +172,20 @@ static inline __attribute__((always_inline)) void avx2_tile(
         for (int g = 0; g < G; g++) store_rows(yacc[i][g], scale, y, m0 + i, (b0 + g) * 8, N);
 }
 
+/* Groups per chunk handed to a thread: about CHUNKS_PER_THREAD chunks each. Threads take chunks as
+   they finish the last, so when the OS takes a core from one thread for a while (another process
+   on a machine of few cores), the others take its share instead of waiting for it at the end. */
+#define CHUNKS_PER_THREAD 16
+static int share(int groups) {
+    const int c = groups / (CHUNKS_PER_THREAD * omp_get_max_threads());
+    return c > 0 ? c : 1;
+}
+
 static VNNI_TARGET void vnni_blocks(const uint8_t *xu, const float *sx, const int8_t *w, const int32_t *wsum128,
                                     const float *scale, float *y, int M, int N, int K, int kb) {
     const int blocks = (N + 7) / 8, G = M == 1 ? 8 : 2, groups = (blocks + G - 1) / G;
-#pragma omp parallel for schedule(static)
+    const int chunk = share(groups);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int gi = 0; gi < groups; gi++) {
         const int b0 = gi * G;
         if (b0 + G > blocks) {  /* the last, partial group: one block at a time */
@@ -197,7 +208,8 @@ static VNNI_TARGET void vnni_blocks(const uint8_t *xu, const float *sx, const in
 static void avx2_blocks(const int16_t *x16, const float *sx, const int8_t *w, const float *scale, float *y,
                         int M, int N, int K, int kb) {
     const int blocks = (N + 7) / 8, G = M == 1 ? 2 : 1, groups = (blocks + G - 1) / G;
-#pragma omp parallel for schedule(static)
+    const int chunk = share(groups);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int gi = 0; gi < groups; gi++) {
         const int b0 = gi * G;
         if (b0 + G > blocks) {
