@@ -8,8 +8,9 @@ on most of a wave's ~45 wake-ups. One late wake-up in a wave is the wave itself:
 connections arrive together, and accepting them and running each request to its first await
 (parse, validate, hand to the engine) takes about 50 ms of the loop on a two-core machine (the
 front end's garbage collections, timed in s5_gc_pause_seconds, are a few milliseconds in all);
-a second is the machine (a two-core VM whose hypervisor takes a core away for tens of ms reads
-so now and then: waves of 1, 2, 0, 1 late have been seen on an otherwise idle server).
+a second can be the machine: on a two-core VM the hypervisor now and then takes a core away for
+tens of milliseconds (waves of 1, 2, 0 and 1 late wake-ups were seen on an otherwise idle
+server).
 
 The load comes from a separate process at lower CPU priority (`nice 10`): in production clients
 are elsewhere, and on a two-core test machine a load generator at equal priority takes the
