@@ -15,7 +15,8 @@
    in a fixed order over fixed 8-lane partial sums, so a row's output does not depend on the other
    rows of the batch or on how tasks are spread over threads. Tasks are handed to OpenMP
    threads (the process's one OpenMP runtime, shared with torch) one at a time as each becomes
-   free, so a thread the OS preempts does not hold the others back. */
+   free, so while the OS has one thread off its core the others take the remaining tasks (they
+   still wait at the end for the task it holds). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

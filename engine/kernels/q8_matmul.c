@@ -174,7 +174,8 @@ static inline __attribute__((always_inline)) void avx2_tile(
 
 /* Groups per chunk handed to a thread: about CHUNKS_PER_THREAD chunks each. Threads take chunks as
    they finish the last, so when the OS takes a core from one thread for a while (another process
-   on a machine of few cores), the others take its share instead of waiting for it at the end. */
+   on a machine of few cores), the others take the remaining chunks and wait at the end only for
+   the chunk it holds, not for its whole share. */
 #define CHUNKS_PER_THREAD 16
 static int share(int groups) {
     const int c = groups / (CHUNKS_PER_THREAD * omp_get_max_threads());
