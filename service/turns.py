@@ -229,14 +229,16 @@ class Turn:
     called when the response ends, however it ends) aborts it if it has not finished."""
 
     def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
-                 num_prompt_tokens: int, fork: bool = False) -> None:
+                 num_prompt_tokens: int, started: float, fork: bool = False) -> None:
         self.state = state
         self.fork = fork  # a choice after the first of n: its prompt was the first's prefill
         self.request_id = stream.request_id
         self.stream = stream
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens  # the whole prompt as the client sees it
-        self.started = time.monotonic()
+        # time.monotonic() when the request was submitted: its first tokens can arrive before
+        # the engine's reply to the submission resumes the handler
+        self.started = started
         self.finished = False
         self._stopped = False  # the text reached a stop string: nothing after it is shown
         self._last_arrival: float | None = None
@@ -308,6 +310,7 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
     m = state.metrics
     engine = state.engine
     rid = f"req-{uuid.uuid4().hex}"
+    started = time.monotonic()
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)
     try:
@@ -317,7 +320,7 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
         raise
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
-                 else None, len(prompt_ids), fork=i > 0) for i, stream in enumerate(streams)]
+                 else None, len(prompt_ids), started, fork=i > 0) for i, stream in enumerate(streams)]
 
 
 async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None, list[TokenLogprobs]]:

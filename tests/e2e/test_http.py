@@ -213,3 +213,28 @@ def test_startup_heap_is_frozen_and_collections_are_measured(server):
     counts = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("s5_gc_pause_seconds_count")}
     assert counts.get('generation="2"', 0) >= 1
+
+
+def test_time_to_first_token_counts_from_the_submission(server):
+    """s5_time_to_first_token_seconds runs from the request's submission to the engine, so it holds
+    whatever kept the front end from resuming the handler meanwhile: here the event loop is held
+    for 0.5 s as soon as the submission is sent (the engine's reply and first token then wait
+    together, and a clock started on the reply would read about zero)."""
+    import time
+
+    from engine import SamplingParams
+    from service.turns import start_turn
+
+    held = 0.5
+
+    async def one_turn():
+        asyncio.get_running_loop().call_soon(time.sleep, held)  # runs once the submission awaits
+        turn = await start_turn(server.state, [2, 818, 5279, 529], SamplingParams(max_tokens=3, ignore_eos=True),
+                                None, None, False)
+        return [c async for c in turn.chunks()]
+
+    count, total = (server.metric(f"s5_time_to_first_token_seconds_{k}") for k in ("count", "sum"))
+    chunks = server.run(one_turn())
+    assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished
+    assert server.metric("s5_time_to_first_token_seconds_count") == count + 1
+    assert server.metric("s5_time_to_first_token_seconds_sum") - total >= held
