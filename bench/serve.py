@@ -691,8 +691,8 @@ def main() -> None:
                    # p50 against p50 (files before the engine reported its p50 held its mean)
                    "served_over_engine_ttft": (summ["ttft_s"]["p50"] / eng["ttft_p50_s"]
                                                if eng and summ["ttft_s"]["p50"] is not None else None)}
-            # the server's own TTFT (from the request's handler to its first token in the front end):
-            # the rest of the client's is HTTP, the client and the SSE write
+            # the server's own TTFT (from the request's submission to the engine to its first token
+            # in the front end): the rest of the client's is HTTP, tokenizing, the client and the SSE write
             row["server_ttft_mean_s"] = server_ttft
             if res is not None:
                 row["per_turn"] = res["per_turn"]
@@ -711,7 +711,7 @@ def main() -> None:
                   f"{f(lag.get('gc_seconds'), fmt='.2f'):>5} {summ['errors']:>6}", flush=True)
             if server_ttft is not None and summ["ttft_s"]["mean"] is not None:
                 print(f"   TTFT mean {summ['ttft_s']['mean']:.3f} s at the client, {server_ttft:.3f} s in the server "
-                      f"(handler to first token)" + (f", engine alone {eng['ttft_s']:.3f} s" if eng else ""), flush=True)
+                      f"(submission to first token)" + (f", engine alone {eng['ttft_s']:.3f} s" if eng else ""), flush=True)
             if lag.get("late_by_phase"):
                 print("   event-loop wake-ups late > 10 ms (> 25 ms): " + ", ".join(
                     f"{ph.replace('_', ' ')} {c['over_10ms']} ({c['over_25ms']})"
