@@ -126,7 +126,14 @@ def checks(a, names: list[str], configs: dict[str, dict]) -> dict:
         mt = recall.multi_turn(loaded, base, names, a.gaps, a.cases, configs)
         res["multi_turn"] = {n: {str(g): sum(v for (gg, _), v in mt[n].items() if gg == g) for g in a.gaps}
                              for n in names}
+        # per case (1: recalled), so settings compare case by case against native
+        res["multi_turn_cases"] = {n: {str(g): [int(mt[n][(g, c)]) for c in range(a.cases)] for g in a.gaps}
+                                   for n in names}
         note(f"multi-turn: {res['multi_turn']}")
+        for n in names[1:]:
+            pairs = [(mt["native"][k], mt[n][k]) for k in mt["native"]]
+            note(f"multi-turn {n} against native, case by case: {sum(x and not y for x, y in pairs)} lost, "
+                 f"{sum(y and not x for x, y in pairs)} gained of {len(pairs)}")
     print(f"wrote {out}")
     return res
 
