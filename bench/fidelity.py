@@ -227,6 +227,17 @@ def quick(a) -> int:
     return 0
 
 
+def budget_setting(a, size: str) -> dict:
+    """A setting named `budget-<size>` (`budget-5M`): the windows the engine solves for
+    `--kv-budget <size>` from the model's window profile, K/V in float32 as on the CPU."""
+    from engine.kv.windows import budget_windows
+    from service.settings import parse_bytes
+
+    loaded = load_model(EngineConfig(model=a.model, quantization=a.quant))
+    cfg = EngineConfig(model=a.model, quantization=a.quant, kv_policy="s5", kv_budget=parse_bytes(size))
+    return dict(kv_policy="s5", kv_windows=budget_windows(cfg, loaded.name, geometry(loaded.model), 4))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppl", action="store_true", help="perplexities, sensitivity, profile, allocations")
@@ -247,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regimes", nargs="+", default=["decode", "prefill"])
     ap.add_argument("--checks", action="store_true", help="agreement, needles, multi-turn per setting")
     ap.add_argument("--report", action="store_true", help="the frontier table, JSON and plot")
-    ap.add_argument("--settings", nargs="+", help="settings for --checks (default: all; see fidelity_report)")
+    ap.add_argument("--settings", nargs="+", help="settings for --checks (default: all; see fidelity_report; "
+                    "s5-w<N>: one window, budget-<size>: the windows --kv-budget <size> solves)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 8192])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.75])
     ap.add_argument("--cases", type=int, default=2)
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             "uniform": {w: {} for w in a.windows}, "allocations": {}, "native_window": 512}
         configs = setting_configs(ppl)
         names = a.settings or list(configs)
-        configs.update({n: dict(kv_policy="s5", kv_window=int(n[4:])) for n in names if n not in configs})
+        configs.update({n: budget_setting(a, n[len("budget-"):]) if n.startswith("budget-")
+                        else dict(kv_policy="s5", kv_window=int(n[4:])) for n in names if n not in configs})
         checks(a, ["native", *[n for n in names if n != "native"]], configs)
     if a.report:
         from bench.fidelity_report import report
