@@ -227,15 +227,20 @@ def quick(a) -> int:
     return 0
 
 
-def budget_setting(a, size: str) -> dict:
-    """A setting named `budget-<size>` (`budget-5M`): the windows the engine solves for
-    `--kv-budget <size>` from the model's window profile, K/V in float32 as on the CPU."""
+def budget_settings(a, names: list[str]) -> dict[str, dict]:
+    """The settings among `names` given as `budget-<size>` (`budget-5M`): the windows the engine
+    solves for `--kv-budget <size>` from the model's window profile, K/V in float32 as on the CPU."""
+    sizes = {n: n[len("budget-"):] for n in names if n.startswith("budget-")}
+    if not sizes:
+        return {}
     from engine.kv.windows import budget_windows
     from service.settings import parse_bytes
 
     loaded = load_model(EngineConfig(model=a.model, quantization=a.quant))
-    cfg = EngineConfig(model=a.model, quantization=a.quant, kv_policy="s5", kv_budget=parse_bytes(size))
-    return dict(kv_policy="s5", kv_windows=budget_windows(cfg, loaded.name, geometry(loaded.model), 4))
+    geo = geometry(loaded.model)
+    return {n: dict(kv_policy="s5", kv_windows=budget_windows(
+        EngineConfig(model=a.model, quantization=a.quant, kv_policy="s5", kv_budget=parse_bytes(size)),
+        loaded.name, geo, 4)) for n, size in sizes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             "uniform": {w: {} for w in a.windows}, "allocations": {}, "native_window": 512}
         configs = setting_configs(ppl)
         names = a.settings or list(configs)
-        configs.update({n: budget_setting(a, n[len("budget-"):]) if n.startswith("budget-")
-                        else dict(kv_policy="s5", kv_window=int(n[4:])) for n in names if n not in configs})
+        configs.update(budget_settings(a, [n for n in names if n not in configs]))
+        configs.update({n: dict(kv_policy="s5", kv_window=int(n[4:])) for n in names if n not in configs})
         checks(a, ["native", *[n for n in names if n != "native"]], configs)
     if a.report:
         from bench.fidelity_report import report

@@ -71,6 +71,7 @@ def checks(a, names: list[str], configs: dict[str, dict]) -> dict:
     res: dict = {"lengths": a.lengths, "depths": a.depths, "cases": a.cases, "gaps": a.gaps,
                  "agreement_prompts": a.agreement_prompts, "agreement_tokens": a.agreement_tokens}
     out = Path(a.out) / f"fidelity-checks-{a.tag}{a.part}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
     def note(msg):

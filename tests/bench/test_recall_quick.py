@@ -2,11 +2,12 @@
 cell of the 512- and 1024-token rows (the 2048-token row takes as long as the other two
 together on 2 cores; the benchmark itself keeps it and two cases per cell), without its greedy
 agreement part (figures only, nothing to assert) and with the control left out of the multi-turn
-part (its turns, sink+window on every layer, took 90 s of the run's 200): it must exit 0 (no cell where s5 recalls more than one case fewer than native), and
-its figures must show the model recalling, s5 keeping native's needle recall and its multi-turn
-recall within one case on these few sessions (48 sessions show the default window losing some
-across turns: docs/fidelity.md), and the control (sink+window on every layer, full-attention layers included) losing
-it, so the benchmark can tell policies apart."""
+part (its turns, sink+window on every layer, took 90 s of the run's 200): it must exit 0 (no
+cell where s5 recalls more than one case fewer than native), and its figures must show the model
+recalling, s5 keeping native's needle recall and its multi-turn recall within one case on these
+few sessions (48 sessions show the default window losing some across turns: docs/fidelity.md),
+and the control (sink+window on every layer, full-attention layers included) losing it, so the
+benchmark can tell policies apart."""
 
 import json
 
