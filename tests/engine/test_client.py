@@ -4,11 +4,13 @@ refusals, tenancy, and the engine's death."""
 import asyncio
 import os
 import signal
+import sys
 
 import pytest
 
 from engine import EngineConfig, EngineError, FinishReason, Request
 from engine.client import EngineClient, EngineDead
+from engine.process import OPENMP_PLACEMENT_VARS, bind_cpu_threads
 from tests.helpers import greedy
 
 CONFIG = EngineConfig(model="tiny-random:2", max_rows=4, kv_cache_bytes=1 << 22)
@@ -174,3 +176,46 @@ async def test_consumers_slower_than_the_engine_get_its_steps_coalesced():
         assert deltas[0] < n * tokens / 4
     finally:
         await client.shutdown()
+
+
+def _allowed_cpus(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="thread placement is read from Linux's /proc, and needs two cores to mean anything")
+@pytest.mark.parametrize("user_choice", [None, "false"])
+async def test_a_cpu_engine_binds_its_threads_unless_the_user_places_them(monkeypatch, user_choice):
+    """The engine process binds its OpenMP threads one to a core (its main thread, which runs
+    OpenMP's thread 0, to one core alone); OMP_PROC_BIND in the environment is the user's choice
+    and leaves placement to the kernel."""
+    if user_choice is None:
+        monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+    else:
+        monkeypatch.setenv("OMP_PROC_BIND", user_choice)
+    for var in OPENMP_PLACEMENT_VARS:
+        if var != "OMP_PROC_BIND":
+            monkeypatch.delenv(var, raising=False)
+    every = _allowed_cpus(os.getpid(), os.getpid())
+    client = EngineClient(CONFIG)
+    await client.start()
+    try:
+        main_thread = _allowed_cpus(client.pid, client.pid)
+    finally:
+        await client.shutdown()
+    if user_choice is None:
+        assert main_thread != every and "," not in main_thread and "-" not in main_thread, main_thread
+    else:
+        assert main_thread == every
+
+
+def test_threads_are_bound_on_the_cpu_only_and_never_over_a_users_setting():
+    env: dict[str, str] = {}
+    assert bind_cpu_threads(EngineConfig(model="tiny-random:2"), env)
+    assert env == {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+    env = {}
+    assert not bind_cpu_threads(EngineConfig(model="tiny-random:2", device="cuda"), env) and env == {}
+    for var in OPENMP_PLACEMENT_VARS:
+        env = {var: "4"}
+        assert not bind_cpu_threads(EngineConfig(model="tiny-random:2"), env) and env == {var: "4"}
