@@ -8,7 +8,8 @@ that thread the event loop (every live stream) waits for it. So it runs in a pro
 in Linux's batch scheduling class at the lowest nice (SCHED_BATCH, nice 19): it does not preempt
 another thread when it wakes, a waking thread of normal priority preempts it, and while every core is busy it gets
 about 1.5% of one in slices of a millisecond or so. A 40k-token prompt is then tokenized in
-seconds on a fully busy server, and no step of the engine waits more than a slice for a core.
+seconds on a fully busy server, and no step of the engine waits more than a slice for a core
+(the engine's threads are bound one to a core: engine/process.py, bind_cpu_threads).
 (The idle class, SCHED_IDLE, gets a fifth of that share: the same prompt took 37-50 s to
 tokenize on a 2-core server decoding 8 streams.)
 
