@@ -294,9 +294,9 @@ def bind_cpu_threads(config: EngineConfig, environ: dict[str, str]) -> bool:
     lowest priority) gets the freed core to itself, and keeps it so for 100-250 ms: every step
     of that time runs at half speed (seen on a 2-core machine, a 15 ms decode step taking 90-270
     ms). Bound, an engine thread waits at most for another process's time slice on its own core.
-    Only when the engine takes every core it may use (torch's default: one thread per core) and
-    the user chose no OpenMP threads or placement of their own (OMP_PROC_BIND=false leaves
-    placement to the kernel). Whether it bound them."""
+    Only where the user chose no OpenMP thread count or placement of their own (then torch takes
+    one thread per core the process may use; OMP_PROC_BIND=false leaves placement to the kernel).
+    Whether it bound them."""
     if not config.device.startswith("cpu") or any(v in environ for v in OPENMP_PLACEMENT_VARS):
         return False
     environ["OMP_PROC_BIND"] = "close"

@@ -206,7 +206,7 @@ class RequestPlanner:
 
 
 def valid_token_ids(ids: list, vocab: int) -> bool:
-    """Whether every id is an int (a bool is not) in [0, vocab). Checked by the interpreter's C
-    loops (type, set, min, max): a Python loop over a burst of long prompts held the engine
-    process between two steps for about 0.2 ms per 1,238 ids."""
+    """Whether every id is an int (a bool is not) in [0, vocab), checked in the interpreter's C
+    loops (type, set, min, max): half the time of a Python loop over the ids. The engine process
+    takes in every queued submission between two steps, so a burst of long prompts waits on this."""
     return set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab
