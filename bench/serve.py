@@ -20,6 +20,12 @@ hypervisor takes CPU time, recorded per run as `stolen_s`) one pair alone can re
 Tokens per SSE chunk come from the chunk's `token_ids` (s5serve's `return_token_ids`; a coalesced
 chunk carries several), else one token per chunk.
 
+The client is aiohttp, as vLLM's benchmark's is: a burst of requests from one client process
+reaches the server two to three times sooner than with httpx, and that client time is part of every
+TTFT measured (`--client-procs` spreads the streams over processes). In concurrency mode each
+client process opens its streams' keep-alive connections before the timed start, as a client with
+a connection pool holds them (`--no-warm-connections`: each request connects when it is sent).
+
     python -m bench.serve --model embedded --n 1 8 32 --new-tokens 128      # CPU, int8 as served
     python -m bench.serve --shape gemma3-1b --device cuda --dtype bfloat16 --n 64 256 --new-tokens 512
     python -m bench.serve --base-url http://127.0.0.1:8080 --n 1 8           # any OpenAI server
@@ -52,12 +58,20 @@ from concurrent.futures import ProcessPoolExecutor
 from datetime import date
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 # ---- one stream -------------------------------------------------------------------------------------
 
 
-async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dict:
+def client_session(base_url: str, streams: int) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client: a connection per concurrent stream, no overall timeout, lines
+    (SSE events) of up to 16 MiB."""
+    return aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=streams + 8),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=60), read_bufsize=1 << 24)
+
+
+async def _stream(client: aiohttp.ClientSession, body: dict, start_at: float) -> dict:
     """One streaming completion; arrival times and token counts of its chunks."""
     delay = start_at - time.monotonic()
     if delay > 0:
@@ -68,10 +82,11 @@ async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dic
     usage, timings, error = None, None, None
     decoded = 0  # llama.cpp: tokens generated so far, from its per-chunk timings
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"sent": sent, "chunks": [], "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
+        async with client.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"sent": sent, "chunks": [], "error": f"{r.status} {(await r.read())[:200]!r}"}
+            async for raw in r.content:  # one line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -90,7 +105,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, start_at: float) -> dic
                 if n:
                     chunks.append((now, n))
                     ids.extend(got)
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     prompt = body.get("prompt")
     return {"sent": sent, "chunks": chunks, "ids": ids, "usage": usage, "timings": timings, "error": error,
@@ -120,27 +135,43 @@ def chunk_tokens(obj: dict, decoded: int) -> tuple[int, list[int], int]:
     return n, ids, decoded
 
 
-async def _run_streams(base_url: str, bodies: list[dict], starts: list[float]) -> list[dict]:
-    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as client:
+async def _open_connections(client: aiohttp.ClientSession, count: int) -> None:
+    """`count` keep-alive connections in the client's pool, opened by as many concurrent GET
+    /health (any answer will do)."""
+
+    async def one() -> None:
+        async with client.get("/health") as r:
+            await r.read()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def _run_streams(base_url: str, bodies: list[dict], starts: list[float], warm: bool) -> list[dict]:
+    async with client_session(base_url, len(bodies)) as client:
+        if warm:
+            await _open_connections(client, len(bodies))
         return await asyncio.gather(*(_stream(client, b, s) for b, s in zip(bodies, starts)))
 
 
-def _client_proc(base_url: str, bodies: list[dict], starts: list[float]) -> list[dict]:
-    return asyncio.run(_run_streams(base_url, bodies, starts))
+def _client_proc(base_url: str, bodies: list[dict], starts: list[float], warm: bool) -> list[dict]:
+    return asyncio.run(_run_streams(base_url, bodies, starts, warm))
 
 
-def drive(base_url: str, bodies: list[dict], offsets: list[float], procs: int) -> list[dict]:
+def drive(base_url: str, bodies: list[dict], offsets: list[float], procs: int, warm: bool = False) -> list[dict]:
     """Send `bodies` at `offsets` seconds from now, spread over `procs` client processes (so
-    the client is not the limit); CLOCK_MONOTONIC is shared by the processes of one machine."""
+    the client is not the limit); CLOCK_MONOTONIC is shared by the processes of one machine.
+    With `warm`, each client process first opens a keep-alive connection per stream it will send
+    (as a client that holds a connection pool has them), so no request's time includes opening a
+    connection; else each request opens its own when it is sent."""
     t0 = time.monotonic() + 1.0 + 0.2 * procs
     starts = [t0 + o for o in offsets]
     if procs <= 1:
-        return _client_proc(base_url, bodies, starts)
+        return _client_proc(base_url, bodies, starts, warm)
     parts = [list(range(i, len(bodies), procs)) for i in range(procs)]
     out: list[dict | None] = [None] * len(bodies)
     with ProcessPoolExecutor(procs) as pool:
-        futs = [pool.submit(_client_proc, base_url, [bodies[i] for i in p], [starts[i] for i in p]) for p in parts]
+        futs = [pool.submit(_client_proc, base_url, [bodies[i] for i in p], [starts[i] for i in p], warm)
+                for p in parts]
         for p, f in zip(parts, futs):
             for i, res in zip(p, f.result()):
                 out[i] = res
@@ -463,14 +494,14 @@ def run_sessions(url: str, a, vocab: int, model: str | None) -> dict:
     concurrently, arrivals staggered over the first second."""
     rng = random.Random(1)
 
-    async def conversation(client: httpx.AsyncClient, c: int) -> list[dict]:
+    async def conversation(client: aiohttp.ClientSession, c: int) -> list[dict]:
         await asyncio.sleep(rng.random())
         history: list[int] = []
         turns = []
         sid = None
         if a.session_ids:
-            r = await client.post("/v1/sessions")
-            sid = r.json()["id"] if r.status_code == 200 else None
+            async with client.post("/v1/sessions") as r:
+                sid = (await r.json())["id"] if r.status == 200 else None
         for _ in range(a.turns):
             new = [rng.randrange(3, vocab) for _ in range(a.turn_tokens)]
             prompt = history + new
@@ -485,7 +516,7 @@ def run_sessions(url: str, a, vocab: int, model: str | None) -> dict:
         return turns
 
     async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600)) as client:
+        async with client_session(url, a.sessions) as client:
             return await asyncio.gather(*(conversation(client, c) for c in range(a.sessions)))
 
     convs = asyncio.run(main())
@@ -501,6 +532,20 @@ def run_sessions(url: str, a, vocab: int, model: str | None) -> dict:
                          "cached_tokens_mean": sum(cached) / len(cached) if cached else None})
     flat = [r for c in convs for r in c]
     return {"per_turn": per_turn, "all": summarize(flat, a.slo_ttft, a.slo_tpot)}
+
+
+def http_stack_versions() -> dict[str, str | None]:
+    """The server's HTTP stack as installed here (uvicorn runs on uvloop and httptools where they
+    are installed, else on asyncio's loop and h11): None for a package that is not."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("uvicorn", "uvloop", "httptools", "starlette", "pyzmq"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def main() -> None:
@@ -539,6 +584,10 @@ def main() -> None:
     ap.add_argument("--max-decode-stall-ms", type=float, default=None,
                     help="the server's and the engine baseline's decode stall bound (default: the server's)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
+    ap.add_argument("--warm-connections", action=argparse.BooleanOptionalAction, default=True,
+                    help="--mode concurrency: open each stream's keep-alive connection before the timed start (as "
+                         "a client with a connection pool has them); --no-warm-connections: every request connects "
+                         "when sent (rate mode always does: a server closes connections idle for seconds)")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--engine-baseline", action=argparse.BooleanOptionalAction, default=True,
@@ -660,7 +709,8 @@ def main() -> None:
                         eng = eng_runs.run() if eng_runs is not None else None
                         before = scrape(url)
                         with LagWatch(url) as watch, Stolen() as stolen:
-                            results = drive(url, bodies, offsets, a.client_procs)
+                            results = drive(url, bodies, offsets, a.client_procs,
+                                            a.warm_connections and a.mode == "concurrency")
                         after = scrape(url)
                         summ = summarize(results, a.slo_ttft, a.slo_tpot)
                         ratio = (summ["decode_tok_s"] / eng["decode_tok_s"]
@@ -669,11 +719,19 @@ def main() -> None:
                                        "engine_decode_tok_s": eng["decode_tok_s"] if eng else None, "ratio": ratio,
                                        "served_itl_p50_s": summ["itl_s"]["p50"],
                                        "engine_itl_p50_s": eng["itl_p50_s"] if eng else None,
+                                       "served_itl_p99_s": summ["itl_s"]["p99"],
+                                       "engine_itl_p99_s": eng["itl_p99_s"] if eng else None,
+                                       "served_ttft_p50_s": summ["ttft_s"]["p50"],
+                                       "engine_ttft_p50_s": eng["ttft_p50_s"] if eng else None,
                                        "served_stolen_s": stolen.seconds, "engine_stolen_s": eng and eng["stolen_s"]})
                         runs.append((summ, eng, before, after, watch.phases(results)))
                         if a.rounds > 1:
                             print(f"   round {k + 1}: served {f(summ['decode_tok_s'])} tok/s, engine "
-                                  f"{f(eng and eng['decode_tok_s'])}, served/engine {f(ratio, fmt='.3f')}; CPU time "
+                                  f"{f(eng and eng['decode_tok_s'])}, served/engine {f(ratio, fmt='.3f')}; TTFT p50 "
+                                  f"{f(summ['ttft_s']['p50'], fmt='.3f')} s served, "
+                                  f"{f(eng and eng['ttft_p50_s'], fmt='.3f')} s engine; ITL p99 "
+                                  f"{f(summ['itl_s']['p99'], 1e3, '.2f')} ms served, "
+                                  f"{f(eng and eng['itl_p99_s'], 1e3, '.2f')} ms engine; CPU time "
                                   f"stolen by the hypervisor {f(stolen.seconds, fmt='.2f')} s served, "
                                   f"{f(eng and eng['stolen_s'], fmt='.2f')} s engine", flush=True)
                     res = None
@@ -757,10 +815,11 @@ def main() -> None:
         "base_url": a.base_url, "policy": "s5" if not a.base_url else None,
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": transformers.__version__, "commit": git_commit(),
-                     "source_digest": source_digest()},
+                     "source_digest": source_digest(), **http_stack_versions()},
         "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": a.threads,
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
-                     "ignore_eos": True, "client_procs": a.client_procs, "targets": targets,
+                     "ignore_eos": True, "client_procs": a.client_procs, "warm_connections": a.warm_connections and a.mode == "concurrency",
+                     "targets": targets,
                      "max_batched_tokens": a.max_batched_tokens, "max_decode_stall_ms": a.max_decode_stall_ms},
         "peers": {"llama.cpp": {**peer["build"], "binary": str(peer["binary"]), "gguf": str(peer["gguf"]),
                                 "threads": peer["threads"]}} if peer else {},

@@ -1,14 +1,16 @@
 """bench.serve's accounting of streamed completions, on chunks recorded from the real servers: tokens
 per chunk (s5serve's `token_ids`; llama.cpp's `timings.predicted_n`), the usage check, prefill
-rate, and the s5serve / llama.cpp comparison. No server runs here."""
+rate, and the s5serve / llama.cpp comparison. The recorded streams are replayed by a local aiohttp
+server, so `_stream` reads them through the same HTTP client as in a run."""
 
 import asyncio
 import json
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from bench.serve import _stream, chunk_tokens, overhead, peer_comparison, peer_table, summarize
+from bench.serve import _stream, client_session, chunk_tokens, overhead, peer_comparison, peer_table, summarize
 
 # llama-server (llama.cpp 0c1e570, built by bench/llama_cpp.py) on the embedded model's GGUF,
 # /v1/completions streaming with `timings_per_token`, 24 tokens greedy after a prompt of Egyptian
@@ -50,12 +52,26 @@ def counts(objs: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def streamed(stream: str, prompt_len: int) -> dict:
-    """`_stream` reading `stream` as the server's response."""
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stream.encode()))
+    """`_stream` reading `stream` as the server's response, in chunks that split lines (as a
+    network may)."""
+
+    async def replay(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] and len(body["prompt"]) == prompt_len
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        data = stream.encode()
+        for i in range(0, len(data), 700):
+            await resp.write(data[i:i + 700])
+        await resp.write_eof()
+        return resp
 
     async def run():
-        async with httpx.AsyncClient(transport=transport, base_url="http://peer") as client:
-            return await _stream(client, {"prompt": list(range(prompt_len)), "stream": True}, 0)
+        app = web.Application()
+        app.router.add_post("/v1/completions", replay)
+        async with TestServer(app) as server:
+            async with client_session(str(server.make_url("/")), 1) as client:
+                return await _stream(client, {"prompt": list(range(prompt_len)), "stream": True}, 0)
 
     return asyncio.run(run())
 
@@ -123,3 +139,34 @@ def test_the_comparison_is_s5serve_over_llama_cpp_per_n():
     assert overhead(rows[1], rows[0])["decode_tok_s"] == pytest.approx(1.2)  # the same ratios as a cluster row's
     table = peer_table(comp)
     assert len(table) == 3 and "x1.20" in table[1] and "x0.50" in table[2]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_streams_are_sent_on_connections_opened_before_the_start(warm):
+    """With `warm`, every stream's request goes out on a keep-alive connection the client opened
+    (GET /health) before the start; without, on one opened when it was sent."""
+    from bench.serve import _run_streams
+
+    peers: dict[str, set] = {"/health": set(), "/v1/completions": set()}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        peers[request.path].add(request.transport.get_extra_info("peername"))
+        if request.path == "/health":
+            return web.json_response({"status": "ok"})
+        return web.Response(text=S5SERVE_STREAM, content_type="text/event-stream")
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/health", handle)
+        app.router.add_post("/v1/completions", handle)
+        async with TestServer(app) as server:
+            bodies = [{"prompt": [1, 2, 3], "stream": True} for _ in range(6)]
+            return await _run_streams(str(server.make_url("")).rstrip("/"), bodies, [0.0] * 6, warm)
+
+    results = asyncio.run(run())
+    assert [sum(n for _, n in r["chunks"]) for r in results] == [4] * 6
+    assert len(peers["/v1/completions"]) == 6  # six concurrent streams, a connection each
+    if warm:
+        assert peers["/v1/completions"] == peers["/health"]
+    else:
+        assert not peers["/health"]
