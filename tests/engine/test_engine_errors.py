@@ -22,6 +22,8 @@ BAD = [
     ("boolean token", dict(prompt=[5, True]), "invalid_request"),
     ("float token", dict(prompt=[5, 6.0]), "invalid_request"),
     ("string token", dict(prompt=["5", 6]), "invalid_request"),
+    ("token past int64", dict(prompt=[5, 2**70]), "invalid_request"),
+    ("prompt not a list", dict(prompt="5 6"), "invalid_request"),
     ("over context", dict(prompt=[5] * 256), "context_length_exceeded"),
     ("max_tokens past context", dict(prompt=[5] * 200, params=SamplingParams(max_tokens=100)), "context_length_exceeded"),
     ("max_tokens 0", dict(params=SamplingParams(max_tokens=0)), "invalid_request"),
