@@ -2,8 +2,8 @@
 concurrent POSTs of a --prompt-len-id completion body (as `bench.serve` sends them) to a trivial
 ASGI app under uvicorn in another process, which answers each with the time it got the whole body.
 Per client it reports, over --rounds bursts, when the requests reached the app after their sends
-(p50 and the last, each the median over the bursts), against httpx with a connection per request measured in the same run (the client
-`bench.serve` used before it moved to aiohttp).
+(p50 and the last, each the median over the bursts), against httpx with a connection per request
+measured in the same run (the client `bench.serve` used before it moved to aiohttp).
 
     python -m bench.http_client --n 32 --rounds 5
 """
