@@ -599,6 +599,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
+    warm_connections = a.warm_connections and a.mode == "concurrency"  # rate mode connects per request
     if a.quantization is None and a.device == "cpu" and a.dtype == "float32" and not a.shape:
         a.quantization = "int8"  # what `s5serve serve` runs on the CPU
     if a.base_url:
@@ -709,8 +710,7 @@ def main() -> None:
                         eng = eng_runs.run() if eng_runs is not None else None
                         before = scrape(url)
                         with LagWatch(url) as watch, Stolen() as stolen:
-                            results = drive(url, bodies, offsets, a.client_procs,
-                                            a.warm_connections and a.mode == "concurrency")
+                            results = drive(url, bodies, offsets, a.client_procs, warm_connections)
                         after = scrape(url)
                         summ = summarize(results, a.slo_ttft, a.slo_tpot)
                         ratio = (summ["decode_tok_s"] / eng["decode_tok_s"]
@@ -818,8 +818,8 @@ def main() -> None:
                      "source_digest": source_digest(), **http_stack_versions()},
         "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": a.threads,
         "workload": {"mode": a.mode, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "greedy": True,
-                     "ignore_eos": True, "client_procs": a.client_procs, "warm_connections": a.warm_connections and a.mode == "concurrency",
-                     "targets": targets,
+                     "ignore_eos": True, "client_procs": a.client_procs,
+                     "warm_connections": warm_connections, "targets": targets,
                      "max_batched_tokens": a.max_batched_tokens, "max_decode_stall_ms": a.max_decode_stall_ms},
         "peers": {"llama.cpp": {**peer["build"], "binary": str(peer["binary"]), "gguf": str(peer["gguf"]),
                                 "threads": peer["threads"]}} if peer else {},
