@@ -361,10 +361,10 @@ if triton is not None:
         for g in tl.static_range(BLOCK_K // 64):
             kg = tl.program_id(1) * BLOCK_K + 64 * g
             hi, lo, s = _nf4_group(P, S, C, rn, nm, kg, K, stride_p, stride_s, SHFL)
-            ptr = W + rn[:, None].to(tl.int64) * K + (kg + 2 * tl.arange(0, 32))[None, :]
-            m = nm[:, None] & ((kg + 2 * tl.arange(0, 32)) < K)[None, :]
-            tl.store(ptr, (hi * s).to(W.dtype.element_ty), mask=m)
-            tl.store(ptr + 1, (lo * s).to(W.dtype.element_ty), mask=m)
+            # the even and odd columns interleaved in registers: one contiguous store per row
+            w = tl.reshape(tl.join(hi * s, lo * s), [BLOCK_N, 64]).to(W.dtype.element_ty)
+            ptr = W + rn[:, None].to(tl.int64) * K + (kg + tl.arange(0, 64))[None, :]
+            tl.store(ptr, w, mask=nm[:, None] & ((kg + tl.arange(0, 64)) < K)[None, :])
 
 
 def dequantize(w: NF4Weight) -> torch.Tensor:
