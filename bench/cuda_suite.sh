@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -31,6 +31,14 @@ case "${2:-}" in
     timeout 220 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit \
       --layers stock fused --policies s5 --n 1 64 --no-quality --out "$OUT" --tag nf4
     timeout 120 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 64 --out "$OUT" 2>&1 | tee "$OUT/nf4-kernels.log" ;;
+  moe-nf4)  # the NF4 experts kernels and the Gemma 4 engine on them against their references, their
+    # launches at 1 and 8 tokens, then the MoE shape in bnb-4bit (linears and experts in NF4)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      tests/equivalence/test_cuda.py -k "experts or gemma4" 2>&1 | tee "$OUT/cuda-tests-nf4-experts.log" | grep -v "^\.$"
+    timeout 150 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --out "$OUT" --tag moe-nf4 \
+      2>&1 | tee "$OUT/tune-moe-nf4.log"
+    timeout 400 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
+      --no-quality --out "$OUT" --tag nf4-experts 2>&1 | tee "$OUT/throughput-moe-nf4.log" ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

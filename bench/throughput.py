@@ -24,6 +24,7 @@ import torch
 
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model.loader import load_model
+from engine.model.nf4_experts import NF4Experts
 
 
 def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -260,9 +261,12 @@ def step_weight_bytes(model, n_tokens: int = 1) -> int:
     for mod in model.modules():
         e = getattr(mod, "num_experts", None)
         if isinstance(e, int) and top_k:
-            for t in mod.parameters(recurse=False):
-                if t.dim() == 3 and t.shape[0] == e:
-                    expert_params[t.data_ptr()] = e
+            if isinstance(mod, NF4Experts):  # 2-D packed bytes and scales, the experts' rows in order
+                experts = [mod.gate_up_packed, mod.gate_up_scales, mod.down_packed, mod.down_scales]
+            else:
+                experts = [t for t in mod.parameters(recurse=False) if t.dim() == 3 and t.shape[0] == e]
+            for t in experts:
+                expert_params[t.data_ptr()] = e
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen or (t is emb and not tied):
             continue
@@ -276,15 +280,17 @@ def step_weight_bytes(model, n_tokens: int = 1) -> int:
 
 
 def bnb4_coverage(model) -> dict:
-    """What of the decoder layers' weights bitsandbytes holds in NF4: the parameters of its 4-bit
-    linears, and, by name within a layer, those of the other weights of two or more dimensions,
-    left in the model's dtype (bitsandbytes quantizes `nn.Linear` modules only; Gemma 4's experts
-    are 3-D parameters)."""
+    """What of the decoder layers' weights are NF4: the parameters of bitsandbytes' 4-bit linears
+    and of the experts the loader quantized (`NF4Experts`), and, by name within a layer, those of
+    the other weights of two or more dimensions, left in the model's dtype."""
     nf4, left = 0, {}
     for layer in model.get_decoder().layers:
         for name, mod in layer.named_modules():
             if type(mod).__name__ == "Linear4bit":
                 nf4 += mod.in_features * mod.out_features
+                continue
+            if isinstance(mod, NF4Experts):
+                nf4 += 2 * (mod.gate_up_packed.numel() + mod.down_packed.numel())
                 continue
             for p_name, p in mod.named_parameters(recurse=False):
                 if p.dim() >= 2:

@@ -129,17 +129,31 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
         yield name, n * k * dtype.itemsize, lib, split, cands
 
 
-def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0):
-    """The MoE kernels (engine/kernels/moe.py) on one layer's experts: `tokens` tokens, each routed
-    to top_k distinct random experts. Yields (stage, bytes of distinct experts' weights read,
-    current launch, {name: launch}, make_calls); stage "gate_up" times that kernel alone through
-    `experts` with the down launch fixed, "down" the other way round."""
-    from engine.kernels import moe
+def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: bool = False):
+    """The MoE kernels (engine/kernels/moe.py; `in_nf4`: kernels/nf4_moe.py on the experts in NF4) on
+    one layer's experts: `tokens` tokens, each routed to top_k distinct random experts. Yields
+    (stage, bytes of distinct experts' weights read, current launch, {name: launch}); stage
+    "gate_up" times that kernel alone through `experts` with the down launch fixed, "down" the
+    other way round."""
+    from engine.kernels import moe, nf4, nf4_moe
+    from engine.model.nf4_experts import NF4Experts
 
     g = torch.Generator(device=dev).manual_seed(seed)
     E, K, H, inter = shape["num_experts"], shape["top_k_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
     gate_up = torch.randn(E, 2 * inter, H, device=dev, generator=g).to(dtype) * 0.02
     down = torch.randn(E, H, inter, device=dev, generator=g).to(dtype) * 0.02
+    run, current_gu, current_dn, per_weight = moe.experts, moe.GATE_UP, moe.DOWN, dtype.itemsize
+    grid = [dict(block_n=bn, block_k=bk, warps=wp) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512),
+                                                                  (16, 128), (16, 256)) for wp in (2, 4, 8)]
+    gu_grid = grid
+    dn_grid = [dict(launch, split=sp) for launch in grid for sp in (False, True)]
+    if in_nf4:
+        ex = NF4Experts.quantize(gate_up, down)
+        gate_up, down = nf4.dequantize(ex.gate_up).view(E, 2 * inter, H), nf4.dequantize(ex.down).view(E, H, inter)
+        run, current_gu, current_dn, per_weight = nf4_moe.experts, nf4_moe.GATE_UP, nf4_moe.DOWN, 0.5 + 4 / 64
+        nf4_grid = [dict(block_n=bn, block_k=bk, warps=wp, stages=st) for bn in (4, 8, 16, 32) for bk in (64, 128, 256)
+                    for wp in (2, 4) for st in (2, 3)]
+        gu_grid = dn_grid = nf4_grid
     # a few routings, cycled through by the timed calls (as layers route anew), so that the
     # experts chosen are mostly not in L2 from the call before
     idxs = [torch.rand(tokens, E, device=dev, generator=g).topk(K, dim=1).indices.int() for _ in range(8)]
@@ -147,18 +161,19 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0):
     x = torch.randn(tokens, H, device=dev, generator=g).to(dtype)
     want = moe.experts_ref(x, idxs[0].long(), w, gate_up, down)
     distinct = sum(i.unique().numel() for i in idxs) / len(idxs)
-    grid = [dict(block_n=bn, block_k=bk, warps=wp) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512),
-                                                                  (16, 128), (16, 256)) for wp in (2, 4, 8)]
+    if in_nf4:
+        gate_up, down = ex.gate_up, ex.down
     for stage, nbytes in (("gate_up", 2 * inter * H), ("down", H * inter)):
         cands = {}
-        launches = grid if stage == "gate_up" else [dict(l, split=sp) for l in grid for sp in (False, True)]
-        for launch in launches:
+        for launch in (gu_grid if stage == "gate_up" else dn_grid):
             kw = {"gate_up_launch": launch} if stage == "gate_up" else {"down_launch": launch}
-            y = moe.experts(x, idxs[0], w, gate_up, down, **kw)
+            y = run(x, idxs[0], w, gate_up, down, **kw)
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
-            cands[str(launch)] = [lambda kw=kw, idx=idx: moe.experts(x, idx, w, gate_up, down, **kw) for idx in idxs]
-        current = moe.GATE_UP if stage == "gate_up" else moe.DOWN
-        yield stage, int(distinct * nbytes * dtype.itemsize), current, cands
+            cands[str(launch)] = [lambda kw=kw, idx=idx: run(x, idx, w, gate_up, down, **kw) for idx in idxs]
+        current = current_gu if stage == "gate_up" else current_dn
+        if in_nf4 and stage == "gate_up":  # the launch by token count
+            current = current[min(t for t in current if t >= tokens)]
+        yield stage, int(distinct * nbytes * per_weight), current, cands
 
 
 def main() -> None:
@@ -172,6 +187,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--experts", type=int, nargs="*", default=[],
                     help="MoE shapes (--shape gemma4-26b-a4b): these token counts through the experts kernels")
+    ap.add_argument("--nf4", action="store_true", help="--experts: the NF4 experts kernels (needs bitsandbytes)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -196,16 +212,16 @@ def main() -> None:
                 if not cuda:
                     print(f"{name}: the experts kernels need CUDA")
                     continue
-                print(f"\n{name} experts, one layer (us for both kernels; GB/s of the chosen experts' weights "
-                      f"read by the stage timed, the other stage's time included)")
+                print(f"\n{name} experts{' (NF4)' if a.nf4 else ''}, one layer (us for both kernels; floor: the "
+                      f"chosen experts' weights read by the stage timed, the other stage's time included)")
                 for tokens in a.experts:
-                    for stage, nbytes, current, cands in experts_cases(shape, tokens, dtype, dev):
+                    for stage, nbytes, current, cands in experts_cases(shape, tokens, dtype, dev, in_nf4=a.nf4):
                         cur = graph_us(cands[str(current)]) if str(current) in cands else None
                         timed = sorted(((graph_us(c), k) for k, c in cands.items()), key=lambda t: t[0])
                         best_us, best = timed[0]
                         print(f"{stage:8} T={tokens:<3} floor {nbytes / bw * 1e6:6.1f} current "
                               f"{cur if cur is not None else float('nan'):7.1f} best {best_us:7.1f}  {best}")
-                        results["experts"].append(dict(shape=name, stage=stage, tokens=tokens, bytes=nbytes,
+                        results["experts"].append(dict(shape=name, nf4=a.nf4, stage=stage, tokens=tokens, bytes=nbytes,
                                                        current=current, current_us=cur, best=best, best_us=best_us,
                                                        top=[dict(us=t, launch=k) for t, k in timed[:6]]))
                 out.write_text(json.dumps({**meta, **results}, indent=1))

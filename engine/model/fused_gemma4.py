@@ -19,8 +19,9 @@ Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts 
 grouped products have whole tiles of tokens per expert there). Models with per-layer input
 embeddings or layers that share another layer's K/V keep the stock forward (`unsupported` says
 why). bitsandbytes 4-bit models run their projections and routers on the NF4 kernels
-(kernels/nf4.py, as in fused_forward.py); their experts, which bitsandbytes leaves in the
-model's dtype (it quantizes `nn.Linear` modules only), run the experts kernels as they are.
+(kernels/nf4.py, as in fused_forward.py) and their experts, which the loader quantizes to NF4
+as well (nf4_experts.py: bitsandbytes quantizes `nn.Linear` modules only), on the NF4 experts
+kernels (kernels/nf4_moe.py); prefill chunks run that module's grouped products.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsu
                                         project, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
-from engine.kernels import moe
+from engine.kernels import moe, nf4_moe
+from engine.kernels.nf4 import NF4Weight
+from engine.model.nf4_experts import NF4Experts
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,8 @@ class _Experts:
     router: torch.Tensor  # [E, hidden]
     router_in: torch.Tensor  # [hidden] float32: the router's input scale times hidden ** -0.5
     per_expert_scale: torch.Tensor  # [E]
-    gate_up: torch.Tensor  # [E, 2 I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
+    gate_up: torch.Tensor | NF4Weight  # [E, 2 I, hidden]; NF4: rows [E * 2 I, hidden]
+    down: torch.Tensor | NF4Weight  # [E, hidden, I]; NF4: rows [E * hidden, I]
     top_k: int
     pre_norm: torch.Tensor  # the experts' input norm
     post_norm: torch.Tensor  # their output's
@@ -95,10 +98,14 @@ def unsupported(model) -> str | None:
             norms += [layer.post_feedforward_layernorm_1, layer.post_feedforward_layernorm_2,
                       layer.pre_feedforward_layernorm_2]
             ex, router = layer.experts, layer.router
+            if isinstance(ex, NF4Experts):
+                experts_ok = ex.dtype == dtype
+            else:
+                experts_ok = (isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)
+                              and ex.gate_up_proj.dtype == dtype and ex.gate_up_proj.dim() == 3)
             if not (projections_unsupported([router.proj], dtype) is None and _norm_with(router.norm, False)
-                    and isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)
-                    and ex.gate_up_proj.dtype == dtype and ex.gate_up_proj.dim() == 3):
-                return "experts or router of another form (quantized?)"
+                    and experts_ok):
+                return "experts or router of another form"
         if not (all(_norm_with(n, True) for n in norms) and _norm_with(attn.v_norm, False)):
             return "norms are not Gemma4RMSNorm"
         if not isinstance(getattr(layer, "layer_scalar", None), torch.Tensor):
@@ -127,9 +134,13 @@ def _experts(layer) -> _Experts | None:
     if not getattr(layer, "enable_moe_block", False):
         return None
     r, ex = layer.router, layer.experts
+    if isinstance(ex, NF4Experts):
+        gate_up, down = ex.gate_up, ex.down
+    else:
+        gate_up, down = ex.gate_up_proj.detach(), ex.down_proj.detach()
     return _Experts(
         router=r.proj.weight, router_in=(r.scale.detach().float() * float(r.scalar_root_size)).contiguous(),
-        per_expert_scale=r.per_expert_scale.detach(), gate_up=ex.gate_up_proj.detach(), down=ex.down_proj.detach(),
+        per_expert_scale=r.per_expert_scale.detach(), gate_up=gate_up, down=down,
         top_k=int(r.config.top_k_experts), pre_norm=layer.pre_feedforward_layernorm_2.weight,
         post_norm=layer.post_feedforward_layernorm_2.weight, post_mlp=layer.post_feedforward_layernorm_1.weight,
         module=ex)
@@ -169,6 +180,8 @@ class FusedGemma4(FusedDecoder):
         pdl = self.pdl_for(x.shape[0])
         weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
         if moe.use_kernels(x):
+            if isinstance(X.gate_up, NF4Weight):
+                return nf4_moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
             return moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
         return X.module(x, chosen.long(), weights)
 

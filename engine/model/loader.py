@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.core.config import EngineConfig
+from engine.model import nf4_experts
 from engine.model.source import default_cache_dir, load_tokenizer, model_source
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def quantize_bnb4(model, compute_dtype: torch.dtype):
     """bitsandbytes NF4 weights for a model already in memory (random-weight shapes, tiny test
     models): every `nn.Linear` of the decoder layers becomes a `Linear4bit`, quantized as it moves
-    to the model's CUDA device. The embeddings and the output layer stay as they are, as
-    transformers' own 4-bit loading leaves the output layer. Models loaded from disk with
-    bnb-4bit use transformers' loader instead (load_model)."""
+    to the model's CUDA device, and every experts module an `NF4Experts` (nf4_experts.py). The
+    embeddings and the output layer stay as they are, as transformers' own 4-bit loading leaves
+    the output layer. Models loaded from disk with bnb-4bit use transformers' loader instead
+    (load_model)."""
     import bitsandbytes as bnb
 
     device = next(model.parameters()).device
@@ -118,6 +120,7 @@ def quantize_bnb4(model, compute_dtype: torch.dtype):
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to("cpu"), requires_grad=False)
             setattr(parent, name, q.to(device))
+    nf4_experts.quantize_experts(model)
     return model
 
 
@@ -125,6 +128,7 @@ def _quantize(model, config: EngineConfig):
     if config.quantization == "bnb-4bit":
         if not any(type(m).__name__ == "Linear4bit" for m in model.modules()):  # in-memory models
             quantize_bnb4(model, TORCH_DTYPES[config.dtype])
+        nf4_experts.quantize_experts(model)  # transformers' 4-bit loading leaves experts in the dtype
         return model
     if config.quantization == "int8":
         from engine.model.quant import KernelUnavailable, Q8Kernel, quantize_int8

@@ -1,7 +1,8 @@
-"""The NF4 kernels (kernels/nf4.py) and the fused forwards on them, on a CUDA device with
-bitsandbytes (skipped without either): each kernel against bitsandbytes' own dequantize_4bit and
-the library product on the same packed weights, and the engine's greedy tokens on repacked 4-bit
-weights against the engine's stock layers on bitsandbytes' own Linear4bit forward."""
+"""The NF4 kernels (kernels/nf4.py, kernels/nf4_moe.py) and the fused forwards on them, on a CUDA
+device with bitsandbytes (skipped without either): each kernel against bitsandbytes' own
+dequantize_4bit and the library product (or the stock experts math) on the same packed weights,
+and the engine's greedy tokens on repacked 4-bit weights against the engine's stock layers on
+bitsandbytes' own Linear4bit forward and the stock experts module on the dequantized experts."""
 
 import random
 
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, Request
-from engine.kernels import launch, nf4, nf4_plan
+from engine.kernels import launch, moe, nf4, nf4_moe, nf4_plan
 from engine.model.loader import LoadedModel, tiny_random_model
+from engine.model.nf4_experts import NF4Experts
 from tests.helpers import greedy, run_all, tiny_gemma4
 from tests.scenarios import Recorder
 
@@ -99,6 +101,77 @@ def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches
         assert all(torch.equal(a, b) for a, b in zip(outs, again)) and not torch.equal(eager[0], again[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
+    """One Gemma-4 26B-A4B layer's experts (128, top 8, hidden 2816, 704 each) in NF4: the
+    kernels (default and other launches, plain and PDL) at 1 to 64 tokens and the grouped path
+    (prefill) at 65 and 300, against moe.experts_ref on bitsandbytes' dequantize_4bit of the same
+    packed weights; the decode kernels replayed from a CUDA graph."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import dequantize_4bit
+
+    E, H, inter, k = 128, 2816, 704, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gu_f = (torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02).to(dtype)
+    dn_f = (torch.randn(E, H, inter, device="cuda", generator=g) * 0.02).to(dtype)
+    ex = NF4Experts.quantize(gu_f, dn_f)
+    want = []  # bitsandbytes' own quantization of the same 2-D views: the same bytes, its dequantize
+    for w, mine, shape in ((gu_f, ex.gate_up, (E, 2 * inter, H)), (dn_f, ex.down, (E, H, inter))):
+        p = bnb.nn.Params4bit(w.reshape(-1, shape[2]), requires_grad=False, quant_type="nf4",
+                              compress_statistics=False).cuda()
+        assert torch.equal(p.data.reshape(-1), mine.packed.reshape(-1))
+        want.append(dequantize_4bit(p.data, p.quant_state).view(shape))
+        assert torch.equal(nf4.dequantize(mine).view(shape), want[-1])
+        del p
+    want_gu, want_dn = want
+    del gu_f, dn_f, want
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    pdl = launch.supported(torch.device("cuda"))
+    launches = [{}, dict(pdl=pdl), dict(shfl=False),
+                dict(gate_up_launch=dict(block_n=4, block_k=128, warps=2, stages=2),
+                     down_launch=dict(block_n=32, block_k=128, warps=4, stages=2))]
+    worst = 0.0
+    for T in (1, 2, 8, 64, 65, 300):
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices
+        w = torch.rand(T, k, device="cuda", generator=g)
+        x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+        # tokens are independent: the reference (float32 copies of each pair's weights) 16 at a time
+        want = torch.cat([moe.experts_ref(x[i:i + 16], idx[i:i + 16], w[i:i + 16], want_gu, want_dn)
+                          for i in range(0, T, 16)])
+        got = [ex(x, idx, w)]  # the kernels up to moe.MAX_TOKENS, then the grouped products
+        if T <= moe.MAX_TOKENS:
+            got += [nf4_moe.experts(x, idx.int(), w, ex.gate_up, ex.down, **kw) for kw in launches]
+        for y in got:
+            assert y.dtype == dtype and y.shape == (T, H)
+            err = rel(y, want)
+            assert err < tol, (T, err)
+            worst = max(worst, err)
+    x = torch.randn(8, H, device="cuda", dtype=dtype)
+    idx = torch.rand(8, E, device="cuda").topk(k, dim=1).indices.int()
+    w = torch.rand(8, k, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf4_moe.experts(x, idx, w, ex.gate_up, ex.down)
+    x.normal_()
+    graph.replay()
+    assert torch.equal(out, nf4_moe.experts(x, idx, w, ex.gate_up, ex.down))
+    print(f"nf4 experts {dtype}: worst relative error against dequantize_4bit + the stock math {worst:.1e}")
+
+
+def stock_experts_on_dequantized(model) -> None:
+    """Each NF4Experts replaced by the stock experts module holding its dequantized weights (the
+    values bitsandbytes' dequantize_4bit gives; test_nf4_experts_... checks they are equal)."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    for layer in model.get_decoder().layers:
+        ex = layer.experts
+        if isinstance(ex, NF4Experts):
+            stock = Gemma4TextExperts(model.config).to("cuda", ex.dtype)
+            stock.gate_up_proj.data = nf4.dequantize(ex.gate_up).view_as(stock.gate_up_proj)
+            stock.down_proj.data = nf4.dequantize(ex.down).view_as(stock.down_proj)
+            layer.experts = stock
+
+
 def nf4_engines(family: str, dtype, fused: bool, max_rows: int = 8):
     from engine.model.loader import quantize_bnb4
 
@@ -106,16 +179,19 @@ def nf4_engines(family: str, dtype, fused: bool, max_rows: int = 8):
         model = tiny_random_model(3, dtype=dtype, num_hidden_layers=6, head_dim=64, hidden_size=256,
                                   num_attention_heads=4, num_key_value_heads=1).cuda()
     else:  # widths that are whole groups of 64 everywhere
-        model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256, intermediate_size=128).to("cuda",
-                                                                                                          dtype)
+        model = tiny_gemma4(3, head_dim=64, global_head_dim=128, hidden_size=256, intermediate_size=128,
+                            moe_intermediate_size=64).to("cuda", dtype)
     model = quantize_bnb4(model, dtype)
+    if family == "gemma4" and not fused:
+        stock_experts_on_dequantized(model)
     cfg = EngineConfig(model="tiny-random", device="cuda", dtype=str(dtype).split(".")[1], quantization="bnb-4bit",
                        kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=max_rows,
                        fused_layers=fused, nf4_kernels=fused)
     engine = Engine(cfg, LoadedModel(model, None, "tiny"))
     kinds = {type(m).__name__ for m in model.get_decoder().layers.modules()}
-    if fused:  # every 4-bit linear repacked, the fused forward on them
+    if fused:  # every 4-bit linear repacked, the fused forward on them (and on NF4 experts)
         assert engine.runner.fused is not None and "NF4Linear" in kinds and "Linear4bit" not in kinds
+        assert ("NF4Experts" in kinds) == (family == "gemma4")
     else:  # bitsandbytes' own forward
         assert engine.runner.fused is None and "Linear4bit" in kinds and "NF4Linear" not in kinds
     return engine

@@ -1,7 +1,8 @@
-"""The NF4 kernels (kernels/nf4.py) on the CPU through Triton's interpreter, against bitsandbytes'
-own dequantize and a float32 product on the same packed weights, and the fused forwards on them
-(Gemma 3, and Gemma 4 with experts) against the engine's stock layers on bitsandbytes'
-`Linear4bit`. Run by test_interpreted.py in a process of its own:
+"""The NF4 kernels (kernels/nf4.py, kernels/nf4_moe.py) on the CPU through Triton's interpreter,
+against bitsandbytes' own dequantize and a float32 product on the same packed weights, and the
+fused forwards on them (Gemma 3, and Gemma 4 with NF4 experts) against the engine's stock layers
+on bitsandbytes' `Linear4bit` and the stock experts module on bitsandbytes' dequantized experts.
+Run by test_interpreted.py in a process of its own:
 
     TRITON_INTERPRET=1 python -m tests.kernels.interpreted_nf4
 
@@ -16,13 +17,14 @@ import os
 import torch
 
 from engine import Engine, EngineConfig, Request, SamplingParams
-from engine.kernels import fused_ops, nf4
-from engine.model import fused_forward, nf4_linear
+from engine.kernels import fused_ops, moe, nf4, nf4_moe
+from engine.model import fused_forward, nf4_experts, nf4_linear
+from engine.model.nf4_experts import NF4Experts
 from engine.model.loader import LoadedModel, tiny_random_model
 from tests.helpers import tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-fused_ops._use_triton = nf4._use_triton = lambda x: True  # the kernels take CPU tensors here
+fused_ops._use_triton = nf4._use_triton = moe._use_triton = lambda x: True  # the kernels take CPU tensors here
 
 
 def quantized(w: torch.Tensor, **kw):
@@ -111,6 +113,69 @@ def check_kernels() -> float:
     return worst
 
 
+def bnb_experts(gate_up: torch.Tensor, down: torch.Tensor):
+    """bitsandbytes' own NF4 round trip of [E, 2I, H] and [E, H, I] expert tensors (each viewed as
+    2-D, plain absmax): its Params4bit of each and the dequantized tensors in their shapes."""
+    pg = quantized(gate_up.reshape(-1, gate_up.shape[2]), compress_statistics=False)
+    pd = quantized(down.reshape(-1, down.shape[2]), compress_statistics=False)
+    return pg, pd, bnb_reference(pg).view(gate_up.shape), bnb_reference(pd).view(down.shape)
+
+
+def check_experts() -> float:
+    """The NF4 experts kernels (launches with one and several groups per step, steps that do not
+    divide the width, one and three pipeline stages) at 1, 3 and 8 tokens, and NF4Experts' grouped
+    path (prefill) at 3 and 100, against the stock math (moe.experts_ref) on bitsandbytes'
+    dequantized experts; returns the worst relative error (float32)."""
+    torch.manual_seed(1)
+    E, H, inter, k = 8, 128, 64, 2
+    gu_f, dn_f = torch.randn(E, 2 * inter, H) * 0.05, torch.randn(E, H, inter) * 0.05
+    ex = NF4Experts.quantize(gu_f, dn_f)
+    pg, pd, want_gu, want_dn = bnb_experts(gu_f, dn_f)
+    assert torch.equal(ex.gate_up.packed.reshape(-1), pg.data.reshape(-1)), "bnb's packing of the 2-D view"
+    assert torch.equal(ex.down.packed.reshape(-1), pd.data.reshape(-1))
+    assert torch.equal(nf4.dequantize(ex.gate_up).view(E, 2 * inter, H), want_gu)
+    assert torch.equal(nf4.dequantize(ex.down).view(E, H, inter), want_dn)
+    worst = 0.0
+    launches = [(None, None), (nf4_moe.GATE_UP[moe.MAX_TOKENS], nf4_moe.DOWN), (nf4_moe.GATE_UP[1], None),
+                (dict(block_n=4, block_k=64, warps=2, stages=1), dict(block_n=8, block_k=128, warps=4, stages=1)),
+                (dict(block_n=16, block_k=256, warps=4, stages=3), dict(block_n=32, block_k=64, warps=2, stages=3))]
+    for T in (1, 3, 8, 100):
+        idx = torch.rand(T, E).topk(k, dim=1).indices
+        w = torch.rand(T, k)
+        x = torch.randn(T, H)
+        want = moe.experts_ref(x, idx, w, want_gu, want_dn)
+        if T <= moe.MAX_TOKENS:
+            for gu_launch, dn_launch in launches:
+                got = nf4_moe.experts(x, idx.int(), w, ex.gate_up, ex.down, gu_launch, dn_launch, shfl=False)
+                worst = max(worst, rel(got, want))
+            worst = max(worst, rel(nf4_moe.experts_ref(x, idx, w, ex.gate_up, ex.down), want))
+        if T in (3, 100):
+            worst = max(worst, rel(ex.grouped(x, idx, w), want))
+        worst = max(worst, rel(ex(x, idx, w), want))  # the kernels up to moe.MAX_TOKENS, else grouped
+    # 16-bit activations (the (even, odd) word pairs), to 16-bit rounding (see check_kernels)
+    ex16 = NF4Experts.quantize(gu_f.half(), dn_f.half())
+    _, _, gu16, dn16 = bnb_experts(gu_f.half(), dn_f.half())
+    idx, w, x = torch.rand(3, E).topk(k, dim=1).indices, torch.rand(3, k), torch.randn(3, H).half()
+    got = nf4_moe.experts(x, idx.int(), w, ex16.gate_up, ex16.down, shfl=False)
+    assert got.dtype == torch.float16 and rel(got, moe.experts_ref(x.float(), idx, w, gu16.float(), dn16.float())) < 1e-2
+    try:
+        nf4_moe.experts(torch.randn(2, 64), idx[:2].int(), w[:2], ex.gate_up, ex.down)
+        raise AssertionError("experts of another width taken")
+    except ValueError:
+        pass
+    return worst
+
+
+def roundtrip_experts(model):
+    """Every layer's float experts replaced by bitsandbytes' NF4 round trip of them: the stock
+    module computing on the weights an `NF4Experts` of the same tensors holds."""
+    for layer in model.get_decoder().layers:
+        ex = layer.experts
+        _, _, gu, dn = bnb_experts(ex.gate_up_proj.data, ex.down_proj.data)
+        ex.gate_up_proj.data, ex.down_proj.data = gu, dn
+    return model
+
+
 def quantize_cpu(model):
     """Every decoder linear as a bitsandbytes Linear4bit (NF4, nested absmax), on the CPU, as
     loader.quantize_bnb4 does on CUDA."""
@@ -133,8 +198,12 @@ def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[b
     for fused in (True, False):
         if family == "gemma3":
             model = quantize_cpu(tiny_random_model(7))
-        else:  # every projection and router a whole number of groups wide; experts stay float32
-            model = quantize_cpu(tiny_gemma4(7, intermediate_size=128))
+        else:  # every projection, router and expert a whole number of groups wide
+            model = quantize_cpu(tiny_gemma4(7, intermediate_size=128, moe_intermediate_size=64))
+            if fused:  # NF4 experts on the kernels; the stock layers: the stock module on their values
+                assert nf4_experts.quantize_experts(model) == sum(1 for _ in model.model.layers)
+            else:
+                roundtrip_experts(model)
         cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
                            max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused,
                            nf4_kernels=fused)
@@ -142,6 +211,7 @@ def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[b
         kinds = {type(m).__name__ for m in model.model.layers.modules()}
         assert (eng.runner.fused is not None) == fused
         assert ("NF4Linear" in kinds and "Linear4bit" not in kinds) if fused else ("NF4Linear" not in kinds)
+        assert ("NF4Experts" in kinds) == (fused and family == "gemma4")
         seen = {}
         eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
         for i, n in enumerate(lengths):
@@ -175,6 +245,10 @@ def main() -> None:
     fused_forward._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
     worst = check_kernels()
     print(f"nf4 kernels vs bitsandbytes dequantize_4bit + matmul: worst relative error {worst:.1e}")
+    assert worst < 1e-5, worst
+    worst = check_experts()
+    print(f"nf4 experts kernels and grouped path vs bitsandbytes dequantize_4bit + the stock math: worst relative "
+          f"error {worst:.1e}")
     assert worst < 1e-5, worst
     check_repack_keeps_what_it_refuses()
     for family, lengths, tokens in (("gemma3", (5, 23, 9), 6), ("gemma4", (5, 19), 4)):
