@@ -109,12 +109,18 @@ if triton is not None:
             u = tl.load(wu + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-        dt = Act.dtype.element_ty
+        _store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
+
+    @triton.jit
+    def _store_activation(acc_g, acc_u, out, mask):
+        """gelu_tanh(gate) * up from float32 sums, each product's output and the activation
+        rounded to the output's dtype, where the stock module rounds them."""
+        dt = out.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = (0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))).to(dt).to(tl.float32)
-        tl.store(Act + p * inter + rn, (a * u).to(dt), mask=nm)
+        tl.store(out, (a * u).to(dt), mask=mask)
 
     @triton.jit
     def _expert_down(Act, Experts, Weights, D, Y, H, inter, stride_de, K: tl.constexpr, BLOCK_N: tl.constexpr,

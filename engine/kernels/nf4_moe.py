@@ -33,7 +33,7 @@ try:
     import triton.language as tl
 
     from engine.kernels.launch import pdl_enter
-    from engine.kernels.moe import _sum_pairs
+    from engine.kernels.moe import _store_activation, _sum_pairs
     from engine.kernels.nf4 import _codes, _gemv_tile, _x_tile
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
@@ -95,12 +95,7 @@ if triton is not None:
                               X16, BF16, EVEN, STAGES)
         acc_u = _nf4_rows_dot(P, S, C, gate_rows + inter, nm, xr, H, stride_p, stride_s, gi, j, BLOCK_N, BLOCK_K,
                               SHFL, X16, BF16, EVEN, STAGES)
-        dt = Act.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = (0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))).to(dt).to(tl.float32)
-        tl.store(Act + p * inter + rn, (a * u).to(dt), mask=nm)
+        _store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
 
     @triton.jit
     def _nf4_expert_down_pairs(Act, Experts, Weights, P, S, C, Part, H, inter, stride_p, stride_s,
