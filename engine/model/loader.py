@@ -85,31 +85,30 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
         return LoadedModel(_quantize(model, config), load_tokenizer(config), name)
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if config.quantization == "bnb-4bit":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-        )
+    prequantized = getattr(AutoConfig.from_pretrained(path), "quantization_config", None) is not None
+    if config.quantization == "bnb-4bit" and prequantized:  # a 4-bit checkpoint: transformers loads it as it is
         kwargs["device_map"] = {"": config.device}
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if config.quantization != "bnb-4bit":
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    if config.quantization == "bnb-4bit" and not prequantized:
+        # read on the CPU, quantized as each module moves to the device: the device never holds
+        # the model, or a mixture-of-experts model's experts, at full precision
+        model = quantize_bnb4(model, dtype, config.device)
+    elif config.quantization != "bnb-4bit":
         model = model.to(config.device)
-    return LoadedModel(_quantize(model.eval(), config), load_tokenizer(config), name)
+    return LoadedModel(_quantize(model, config), load_tokenizer(config), name)
 
 
-def quantize_bnb4(model, compute_dtype: torch.dtype):
-    """bitsandbytes NF4 weights for a model already in memory (random-weight shapes, tiny test
-    models): every `nn.Linear` of the decoder layers becomes a `Linear4bit`, quantized as it moves
-    to the model's CUDA device, and every experts module an `NF4Experts` (nf4_experts.py). The
-    embeddings and the output layer stay as they are, as transformers' own 4-bit loading leaves
-    the output layer. Models loaded from disk with bnb-4bit use transformers' loader instead
-    (load_model)."""
+def quantize_bnb4(model, compute_dtype: torch.dtype, device: str | torch.device | None = None):
+    """bitsandbytes NF4 weights on the CUDA `device` (default: the model's): every `nn.Linear` of the
+    decoder layers becomes a `Linear4bit`, quantized as it moves there, and every experts module
+    an `NF4Experts` (nf4_experts.py), one layer's at a time; then the rest of the model moves
+    there as it is (the embeddings and the output layer, as transformers' own 4-bit loading
+    leaves it). A model read on the CPU is thus never on the device at full precision."""
     import bitsandbytes as bnb
 
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type != "cuda":
-        raise ValueError("bnb-4bit quantization needs the model on a CUDA device")
+        raise ValueError("bnb-4bit quantization needs a CUDA device")
     for parent in list(model.get_decoder().layers.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear:
@@ -120,8 +119,8 @@ def quantize_bnb4(model, compute_dtype: torch.dtype):
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to("cpu"), requires_grad=False)
             setattr(parent, name, q.to(device))
-    nf4_experts.quantize_experts(model)
-    return model
+    nf4_experts.quantize_experts(model, device)
+    return model.to(device)
 
 
 def _quantize(model, config: EngineConfig):

@@ -31,10 +31,9 @@ def _nf4(w: torch.Tensor) -> NF4Weight:
     """A 2-D weight quantized by bitsandbytes (NF4, groups of 64, plain absmax) on its device."""
     import bitsandbytes as bnb
 
-    dev = w.device
-    p = bnb.nn.Params4bit(w.detach().to("cpu" if dev.type == "cpu" else dev), requires_grad=False,
-                          quant_type="nf4", blocksize=nf4.GROUP, compress_statistics=False)
-    return nf4.from_bnb(p.to(dev))
+    p = bnb.nn.Params4bit(w.detach(), requires_grad=False, quant_type="nf4", blocksize=nf4.GROUP,
+                          compress_statistics=False)
+    return nf4.from_bnb(p.to(w.device))
 
 
 class NF4Experts(nn.Module):
@@ -112,16 +111,18 @@ def _stock_experts(m: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantize_experts(model) -> int:
+def quantize_experts(model, device: torch.device | None = None) -> int:
     """Replace every experts module of the decoder layers that holds its experts as 3-D tensors
-    in a float dtype (Gemma 4's) by an `NF4Experts`, one layer at a time (the float tensors are
-    freed as each is replaced). Returns how many were replaced."""
+    in a float dtype (Gemma 4's) by an `NF4Experts` on `device` (default: where they are), one
+    layer at a time: a layer's float tensors are copied there, quantized and freed before the
+    next. Returns how many were replaced."""
     done = 0
     for layer in model.get_decoder().layers:
         ex = getattr(layer, "experts", None)
         if ex is None or not _stock_experts(ex):
             continue
-        layer.experts = NF4Experts.quantize(ex.gate_up_proj, ex.down_proj)
+        dev = device if device is not None else ex.gate_up_proj.device
+        layer.experts = NF4Experts.quantize(ex.gate_up_proj.to(dev), ex.down_proj.to(dev))
         done += 1
     if done:
         log.info("%d experts modules quantized to NF4", done)

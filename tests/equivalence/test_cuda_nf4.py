@@ -172,6 +172,53 @@ def stock_experts_on_dequantized(model) -> None:
             layer.experts = stock
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_bnb4_checkpoint_is_quantized_on_its_way_to_the_device(family, tmp_path):
+    """A bf16 checkpoint loaded with bnb-4bit (load_model): read on the CPU, each linear and each
+    layer's experts quantized as they move to the GPU. The device's peak while loading stays well
+    under the decoder's bf16 weights, and the model holds the same packed bytes as the same
+    weights quantized on the device, so its engine gives the same greedy tokens."""
+    pytest.importorskip("bitsandbytes")
+    from engine.model.loader import load_model, quantize_bnb4
+    from tests.helpers import byte_tokenizer
+
+    def model():
+        if family == "gemma3":
+            return tiny_random_model(4, dtype=torch.bfloat16, num_hidden_layers=6, head_dim=64, hidden_size=512,
+                                     intermediate_size=4096, num_attention_heads=4, num_key_value_heads=1)
+        return tiny_gemma4(4, head_dim=64, global_head_dim=128, hidden_size=512, intermediate_size=128,
+                           num_experts=64, moe_intermediate_size=512).to(torch.bfloat16)
+
+    model().save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    decoder_bytes = sum(p.numel() * p.element_size() for p in model().get_decoder().layers.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    cfg = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", quantization="bnb-4bit",
+                       kv_policy="native", max_num_batched_tokens=64, kv_cache_bytes=1 << 24, max_rows=4)
+    loaded = load_model(cfg)
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"bnb-4bit {family} from disk: device peak while loading {peak / 2**20:.0f} MiB, decoder in bf16 "
+          f"{decoder_bytes / 2**20:.0f} MiB")
+    assert peak < 0.7 * decoder_bytes
+    in_memory = quantize_bnb4(model().cuda(), torch.bfloat16)
+    for (name, a), (_, b) in zip(loaded.model.get_decoder().layers.named_modules(),
+                                 in_memory.get_decoder().layers.named_modules()):
+        assert type(a) is type(b), name
+        if type(a).__name__ == "Linear4bit":
+            assert torch.equal(a.weight.data, b.weight.data), name
+        elif isinstance(a, NF4Experts):
+            assert torch.equal(a.gate_up_packed, b.gate_up_packed) and torch.equal(a.down_scales, b.down_scales)
+    assert any(isinstance(m, NF4Experts) for m in loaded.model.modules()) == (family == "gemma4")
+    prompts = [[5, 9, 33, 7], list(range(40, 90))]
+    outs = []
+    for m in (loaded.model, in_memory):
+        engine = Engine(cfg, LoadedModel(m, None, "tiny"))
+        outs.append(run_all(engine, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)], {}))
+    assert outs[0] == outs[1]
+
+
 def nf4_engines(family: str, dtype, fused: bool, max_rows: int = 8):
     from engine.model.loader import quantize_bnb4
 
