@@ -1,7 +1,8 @@
 """bitsandbytes 4-bit linears as the engine's own NF4 linears, made once when a model is prepared.
 
-Users load 4-bit models through bitsandbytes (loader.py: transformers' bnb-4bit loading, or
-`quantize_bnb4` for models already in memory); every decoder linear is then a `Linear4bit` whose
+Users load 4-bit models through bitsandbytes (loader.py: `quantize_bnb4` as a full-precision
+checkpoint moves to the GPU, or transformers' loading of a bitsandbytes 4-bit checkpoint); every
+decoder linear is then a `Linear4bit` whose
 `Params4bit` holds the packed weight and a quant state. `repack` replaces each one it can take
 (NF4, groups of 64, rows of whole groups, no bias) by an `NF4Linear` over an `NF4Weight`
 (kernels/nf4.py): the same packed bytes, the absmax decoded once to float32, the code table; the
