@@ -41,18 +41,14 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
 
 def experts_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: NF4Weight,
                 down: NF4Weight) -> torch.Tensor:
-    """`moe.experts_ref` on the dequantized weights of the experts chosen (x [T, H], experts and
-    weights [T, k]; gate_up rows E * 2I, down rows E * H)."""
+    """`moe.experts_ref` on the dequantized weights of the experts chosen, and only those (x [T,
+    H], experts and weights [T, k]; gate_up rows E * 2I, down rows E * H)."""
     H = x.shape[1]
     inter = down.shape[1]
-    E = gate_up.shape[0] // (2 * inter)
-    chosen = experts.reshape(-1).unique()
-    gu = torch.zeros(E, 2 * inter, H, dtype=gate_up.dtype, device=x.device)
-    dn = torch.zeros(E, H, inter, dtype=down.dtype, device=x.device)
-    for e in chosen.tolist():
-        gu[e] = nf4.dequantize(expert_rows(gate_up, e, 2 * inter))
-        dn[e] = nf4.dequantize(expert_rows(down, e, H))
-    return moe.experts_ref(x, experts, weights, gu, dn)
+    chosen, local = torch.unique(experts, return_inverse=True)  # the chosen experts as 0..u-1
+    gu = torch.stack([nf4.dequantize(expert_rows(gate_up, e, 2 * inter)) for e in chosen.tolist()])
+    dn = torch.stack([nf4.dequantize(expert_rows(down, e, H)) for e in chosen.tolist()])
+    return moe.experts_ref(x, local.view(experts.shape), weights, gu, dn)
 
 
 def expert_rows(w: NF4Weight, e: int, rows: int) -> NF4Weight:
