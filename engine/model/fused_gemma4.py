@@ -27,6 +27,7 @@ kernels (kernels/nf4_moe.py); prefill chunks run that module's grouped products.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,8 @@ class _Experts:
     post_norm: torch.Tensor  # their output's
     post_mlp: torch.Tensor  # the dense MLP output's
     module: nn.Module  # the model's own experts module (prefill chunks)
+    kernels: Callable  # decode batches: moe.experts, or nf4_moe.experts on NF4 weights
+    reference: Callable  # their torch reference (kernel_check): moe.experts_ref or nf4_moe.experts_ref
 
 
 @dataclass(frozen=True)
@@ -135,15 +138,16 @@ def _experts(layer) -> _Experts | None:
         return None
     r, ex = layer.router, layer.experts
     if isinstance(ex, NF4Experts):
-        gate_up, down = ex.gate_up, ex.down
+        gate_up, down, kernels, reference = ex.gate_up, ex.down, nf4_moe.experts, nf4_moe.experts_ref
     else:
-        gate_up, down = ex.gate_up_proj.detach(), ex.down_proj.detach()
+        gate_up, down, kernels, reference = (ex.gate_up_proj.detach(), ex.down_proj.detach(), moe.experts,
+                                             moe.experts_ref)
     return _Experts(
         router=r.proj.weight, router_in=(r.scale.detach().float() * float(r.scalar_root_size)).contiguous(),
         per_expert_scale=r.per_expert_scale.detach(), gate_up=gate_up, down=down,
         top_k=int(r.config.top_k_experts), pre_norm=layer.pre_feedforward_layernorm_2.weight,
         post_norm=layer.post_feedforward_layernorm_2.weight, post_mlp=layer.post_feedforward_layernorm_1.weight,
-        module=ex)
+        module=ex, kernels=kernels, reference=reference)
 
 
 class FusedGemma4(FusedDecoder):
@@ -180,9 +184,7 @@ class FusedGemma4(FusedDecoder):
         pdl = self.pdl_for(x.shape[0])
         weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
         if moe.use_kernels(x):
-            if isinstance(X.gate_up, NF4Weight):
-                return nf4_moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
-            return moe.experts(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
+            return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
         return X.module(x, chosen.long(), weights)
 
     @torch.inference_mode()

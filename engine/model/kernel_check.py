@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import fused_ops, moe, nf4_moe
-from engine.kernels.nf4 import NF4Weight
+from engine.kernels import fused_ops, moe
 from engine.kernels.fused_ops import add_rmsnorm, layer_out, qk_norm_rope, qk_norm_rope_at
 
 if TYPE_CHECKING:
@@ -74,12 +73,8 @@ def gemma4_kernels_disagree(fused: FusedGemma4) -> str | None:
                 if not torch.equal(idx.long().sort(1).values, idx_ref.sort(1).values):
                     return "router_topk chose other experts than its reference"
                 x = rnd(hidden)[:2]  # the reference holds float32 copies of each pair's weights
-                if isinstance(X.gate_up, NF4Weight):
-                    compare("nf4 experts", [nf4_moe.experts(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
-                            [nf4_moe.experts_ref(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
-                else:
-                    compare("experts", [moe.experts(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
-                            [moe.experts_ref(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
+                compare("experts", [X.kernels(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
+                        [X.reference(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
     except Exception as exc:  # a kernel that does not compile or launch here
         return f"{type(exc).__name__}: {exc}"
     bad = {k: f"{v:.1e}" for k, v in worst.items() if not v < tol}
