@@ -85,15 +85,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
         return LoadedModel(_quantize(model, config), load_tokenizer(config), name)
     kwargs: dict[str, Any] = {"dtype": dtype}
-    prequantized = getattr(AutoConfig.from_pretrained(path), "quantization_config", None) is not None
-    if config.quantization == "bnb-4bit" and prequantized:  # a 4-bit checkpoint: transformers loads it as it is
+    bnb4 = config.quantization == "bnb-4bit"
+    prequantized = bnb4 and getattr(AutoConfig.from_pretrained(path), "quantization_config", None) is not None
+    if prequantized:  # a bitsandbytes 4-bit checkpoint: transformers loads it as it is
         kwargs["device_map"] = {"": config.device}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    if config.quantization == "bnb-4bit" and not prequantized:
+    if bnb4 and not prequantized:
         # read on the CPU, quantized as each module moves to the device: the device never holds
         # the model, or a mixture-of-experts model's experts, at full precision
         model = quantize_bnb4(model, dtype, config.device)
-    elif config.quantization != "bnb-4bit":
+    elif not bnb4:
         model = model.to(config.device)
     return LoadedModel(_quantize(model, config), load_tokenizer(config), name)
 
