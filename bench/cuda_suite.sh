@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -39,6 +39,15 @@ case "${2:-}" in
       2>&1 | tee "$OUT/tune-moe-nf4.log"
     timeout 400 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
       --no-quality --out "$OUT" --tag nf4-experts 2>&1 | tee "$OUT/throughput-moe-nf4.log" ;;
+  nf4-profile)  # every NF4, bnb-4bit and Gemma 4 GPU test, then where a 4-bit decode step's time goes
+    # (kernels of one forward by device time), dense 4B and the MoE shape
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 6 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      tests/equivalence/test_cuda.py -k "nf4 or bnb4 or experts or gemma4" 2>&1 | tee "$OUT/cuda-tests-nf4-profile.log" \
+      | grep -v "^\.$" | tail -40
+    timeout 120 python3 -m bench.profile_decode --shape gemma3-4b --weights bnb-4bit --n 1 64 2>&1 \
+      | tee "$OUT/profile-decode-gemma3-4b-nf4.log" | grep -A34 "^N="
+    timeout 240 python3 -m bench.profile_decode --shape gemma4-26b-a4b --weights bnb-4bit --n 1 8 2>&1 \
+      | tee "$OUT/profile-decode-gemma4-26b-a4b-nf4.log" | grep -A34 "^N=" ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

@@ -5,6 +5,7 @@ host-side ops and kernels of two of those steps.
 
     python -m bench.profile_decode --shape gemma3-1b --n 1 64
     python -m bench.profile_decode --shape gemma3-4b --n 8 --prefill --policies s5 native
+    python -m bench.profile_decode --shape gemma4-26b-a4b --weights bnb-4bit --n 1 8
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def profile(loaded, n: int, policy: str, prompt_len: int) -> None:
     for e in kernels:
         c, t = by.get(e.name, (0, 0.0))
         by[e.name] = (c + 1, t + e.device_time / 1000)
-    for name, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:24]:
+    for name, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:32]:
         print(f"  {t:7.3f} ms {c:5d}x  {name[:110]}")
 
 
@@ -107,8 +108,14 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["s5"])
     ap.add_argument("--prompt-len", type=int, default=1238)
     ap.add_argument("--prefill", action="store_true", help="profile the prefill steps instead")
+    ap.add_argument("--weights", choices=["bfloat16", "bnb-4bit"], default="bfloat16",
+                    help="bnb-4bit: the decoder's linears and experts in NF4, as the loader quantizes them")
     a = ap.parse_args()
-    model, _ = shape_models(a.shape, "cuda", torch.bfloat16)
+    model, _ = shape_models(a.shape, "cuda", torch.bfloat16, with_hf=False)
+    if a.weights == "bnb-4bit":
+        from engine.model.loader import quantize_bnb4
+
+        model = quantize_bnb4(model, torch.bfloat16)
     loaded = LoadedModel(model, None, a.shape)
     for n in a.n:
         for policy in a.policies:
