@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -48,6 +48,21 @@ case "${2:-}" in
       | tee "$OUT/profile-decode-gemma3-4b-nf4.log" | grep -A34 "^N="
     timeout 240 python3 -m bench.profile_decode --shape gemma4-26b-a4b --weights bnb-4bit --n 1 8 2>&1 \
       | tee "$OUT/profile-decode-gemma4-26b-a4b-nf4.log" | grep -A34 "^N=" ;;
+  nf4-sweep)  # the NF4 products' planned launches against a wider grid, then Nsight Compute's view of
+    # the one-row kernel on Gemma-3 4B's gate/up at its planned launch (pipes, stalls, occupancy)
+    timeout 330 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 --sweep --out "$OUT" 2>&1 \
+      | tee "$OUT/nf4-kernels-sweep.log" | grep -v "^ \{9\}"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 150 "$NCU" --clock-control none -k regex:_nf4_gemv_kernel -s 3 -c 1 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --section MemoryWorkloadAnalysis python3 -c "
+import torch; from engine.kernels import nf4
+w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
+                  torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
+x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
+for _ in range(5):
+    nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
+torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF==" | tail -120 ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

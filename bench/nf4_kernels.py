@@ -7,6 +7,10 @@ the measured copy bandwidth. Every candidate is timed from a CUDA graph that cyc
 of its weights (128 MB or more in all) so that, as in a forward, they are not served from L2.
 
     python -m bench.nf4_kernels [--shape gemma3-4b] [--n 1 8 64] [--out bench/results]
+
+`--sweep` also times a wider grid of launches per projection and row count (tile rows and
+columns, K step, warps, stages, K split for 0-16 programs per SM) and prints the fastest that
+agree with the library's product, beside the planned one.
 """
 
 from __future__ import annotations
@@ -42,6 +46,40 @@ def timed(fn, calls: int) -> float | None:
         return None
 
 
+SWEEP_ONE_ROW = [(1, bn, bk, w, st, False) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (1, 2, 4)
+                 for st in (3, 4) if bn * bk // 2 // (32 * w) >= 8]
+SWEEP_TILES = [(bm, bn, bk, w, 3, sw) for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (64, 128, 256)
+               for w in (4, 8) for sw in (False, True)]
+
+
+def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor) -> list[dict]:
+    """Launches of the NF4 kernels for x's row count (one row: SWEEP_ONE_ROW, else SWEEP_TILES at
+    the tile rows that cover it), each with K split for 0, 2, 4, 8 and 16 programs per SM,
+    timed as the plan times them; those that agree with the library's product on the
+    dequantized first weight, fastest first."""
+    m, k = x.shape
+    n = ws[0].shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cands = SWEEP_ONE_ROW if m == 1 else [c for c in SWEEP_TILES if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
+    want = F.linear(x, dense)
+    out, seen = [], []
+    for cand in cands:
+        for per_sm in (0, 2, 4, 8, 16):
+            cfg = nf4.with_split(cand, m, n, k, sms, per_sm, shfl=True)
+            if cfg in seen:
+                continue
+            seen.append(cfg)
+            try:
+                if not nf4_plan.agrees(nf4.nf4_matmul(x, ws[0], **cfg), want):
+                    continue
+            except Exception:  # a launch this GPU cannot compile (shared memory, registers)
+                continue
+            us = timed(lambda cfg=cfg: [nf4.nf4_matmul(x, w, **cfg) for w in ws], len(ws))
+            if us:
+                out.append({"us": us, "launch": cfg})
+    return sorted(out, key=lambda r: r["us"])
+
+
 @torch.no_grad()
 def main() -> None:
     import bitsandbytes as bnb
@@ -51,6 +89,7 @@ def main() -> None:
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--sweep", action="store_true", help="time a wider grid of launches (see the module doc)")
     a = ap.parse_args()
     dtype = torch.bfloat16
     bw = copy_bandwidth("cuda") / 2  # read bytes per second of a copy
@@ -82,6 +121,14 @@ def main() -> None:
             gbs = nbytes / (ours * 1e-6) / 1e9 if ours else None
             row = {"projection": name, "out": n_out, "in": k, "rows": m, "nf4_us": ours, "nf4_gb_s": gbs,
                    "bnb_us": theirs, "bf16_us": lib, "launch": cfg}
+            if a.sweep:
+                row["sweep"] = sweep(x, ws, full[0])
+                best = row["sweep"][0] if row["sweep"] else None
+                if best:
+                    print(f"  sweep: {len(row['sweep'])} launches agree; fastest {best['us']:.1f} us "
+                          f"({ours / best['us']:.2f}x the plan's): {best['launch']}")
+                    for r in row["sweep"][1:5]:
+                        print(f"         {r['us']:.1f} us: {r['launch']}")
             rows.append(row)
 
             def f(v, w=8):
