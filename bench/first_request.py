@@ -8,6 +8,7 @@ fresh process with an empty TRITON_CACHE_DIR to see a fresh container's first re
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m bench.first_request --shape gemma3-4b --weights bnb-4bit
     TRITON_CACHE_DIR=$(mktemp -d) python -m bench.first_request --shape gemma3-4b --weights bnb-4bit --warm-up 3
+    TRITON_CACHE_DIR=$(mktemp -d) python -m bench.first_request --shape gemma4-26b-a4b --warm-up 3 48 49
 
 Prints one line and appends a JSON object to --out.
 """
@@ -36,9 +37,8 @@ def main() -> None:
     from bench.throughput import prompts_for, shape_models, source_digest
     from engine import Engine, EngineConfig, Request, SamplingParams
     from engine.model.loader import LoadedModel, quantize_bnb4
-    from engine.process import WARM_UP_PROMPTS, _warm_up
+    from engine.process import _warm_up, warm_up_lengths
 
-    lengths = tuple(a.warm_up) if a.warm_up is not None else WARM_UP_PROMPTS
     model, _ = shape_models(a.shape, "cuda", torch.bfloat16, with_hf=False)
     if a.weights == "bnb-4bit":
         model = quantize_bnb4(model, torch.bfloat16)  # in place: nothing else holds it
@@ -48,6 +48,7 @@ def main() -> None:
     t = time.perf_counter()
     engine = Engine(cfg, loaded)
     built = time.perf_counter() - t
+    lengths = tuple(a.warm_up) if a.warm_up is not None else warm_up_lengths(engine)
     t = time.perf_counter()
     _warm_up(engine, lengths)
     torch.cuda.synchronize()

@@ -97,12 +97,24 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
 # forms (kernels/launch.worthwhile), at a row count Triton specializes as a multiple of 16 and at
 # one it does not. Without the last two a 4B model's first prompt of a user waited ~0.6 s for them.
 WARM_UP_PROMPTS = (3, 48, 49)
+# On CUDA one more, longer than the fused kernels' row limits (kernels/moe.MAX_TOKENS for the
+# experts, kernels/nf4.MAX_KERNEL_ROWS for NF4 products): its prefill takes the library products
+# (a mixture-of-experts layer's grouped product on its experts, dequantized where they are NF4),
+# which a user's first long prompt would otherwise set up.
+CUDA_WARM_UP_PROMPT = 300
 
 
-def _warm_up(engine: Engine, lengths: tuple[int, ...] = WARM_UP_PROMPTS) -> None:
-    """Requests of `lengths` prompt tokens through the engine, one at a time, before it serves;
-    its counters start from zero after them."""
-    for i, n in enumerate(lengths):
+def warm_up_lengths(engine: Engine) -> tuple[int, ...]:
+    """The warm-up's prompt lengths for this engine's device."""
+    cuda = str(engine.config.device).startswith("cuda")
+    return WARM_UP_PROMPTS + ((CUDA_WARM_UP_PROMPT,) if cuda else ())
+
+
+def _warm_up(engine: Engine, lengths: tuple[int, ...] | None = None) -> None:
+    """Requests of `lengths` prompt tokens (default: `warm_up_lengths`) through the engine, one at
+    a time, before it serves; its counters start from zero after them. Each prompt is clamped to
+    the engine's context."""
+    for i, n in enumerate(warm_up_lengths(engine) if lengths is None else lengths):
         n = max(1, min(n, engine.max_model_len - 2))
         engine.add_request(Request(f"warmup{i}", list(range(2, 2 + n)), SamplingParams(max_tokens=2, ignore_eos=True)))
         while engine.has_work():

@@ -109,17 +109,23 @@ def test_rows_running_out_swap_out_the_least_recently_used_idle_session(engine):
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("cuda_lengths", [False, True])
 @pytest.mark.parametrize("max_model_len", [256, 20])
-def test_the_engine_process_warm_up_leaves_no_trace(max_model_len):
-    """The warm-up's prompts (clamped to a short context) run to the end; afterwards no row is
-    held, the counters read zero and the engine serves as it would have without it."""
-    from engine.process import WARM_UP_PROMPTS, _warm_up
+def test_the_engine_process_warm_up_leaves_no_trace(max_model_len, cuda_lengths):
+    """The warm-up's prompts (clamped to a short context; with `cuda_lengths`, those a CUDA
+    engine warms up with) run to the end; afterwards no row is held, the counters read zero and
+    the engine serves as it would have without it."""
+    from engine.kernels import moe, nf4
+    from engine.process import CUDA_WARM_UP_PROMPT, WARM_UP_PROMPTS, _warm_up, warm_up_lengths
 
     cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, max_rows=4,
                        kv_cache_bytes=1 << 22, max_model_len=max_model_len)
     warmed, fresh = Engine(cfg, tiny_loaded(0)), Engine(cfg, tiny_loaded(0))
-    _warm_up(warmed)
+    assert warm_up_lengths(warmed) == WARM_UP_PROMPTS  # a CPU engine
+    _warm_up(warmed, WARM_UP_PROMPTS + (CUDA_WARM_UP_PROMPT,) if cuda_lengths else None)
     assert len(WARM_UP_PROMPTS) == 3 and max(WARM_UP_PROMPTS) > 32
+    # the CUDA prompt's prefill is past every fused kernel's row limit
+    assert CUDA_WARM_UP_PROMPT > max(nf4.MAX_KERNEL_ROWS, moe.MAX_TOKENS)
     assert not warmed.has_work() and warmed.pool.num_free_rows == warmed.pool.num_rows
     assert (warmed.stats["steps"], warmed.stats["prefill_tokens"], warmed.stats["decode_tokens"]) == (0, 0, 0)
     warmed.check_invariants()
