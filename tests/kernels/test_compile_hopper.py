@@ -82,3 +82,22 @@ def test_nf4_dequantize_kernel_compiles_for_sm90(dtype):
                                       constexprs=dict(BLOCK_N=16, BLOCK_K=256, SHFL=False)),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert kernel.asm["cubin"]
+
+
+def test_the_one_row_kernel_spends_one_shuffle_per_weight_and_sums_groups_within_threads():
+    """The instruction mix of `_nf4_gemv_kernel`'s K loop at its gate/up launch
+    (bench/kernel_sass.py): one shuffle (the code lookup) per weight, the weight bytes read in
+    16-byte vectors from the pipeliner's shared memory (no byte loads), and each group's sum
+    kept within a thread but for one exchange (a layout that spread a group over the warp spent
+    five exchanges per sum and read each byte with its own load)."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from bench.kernel_sass import loop_counts, sass
+
+    block_n, block_k, warps = 32, 256, 4
+    counts = loop_counts(sass("gemv", 1, block_n, block_k, warps, 3, False))
+    weights = block_n * block_k // (32 * warps)  # per thread per K step
+    assert counts["SHFL.IDX"] == weights
+    assert counts["LDS.128"] * 16 >= weights // 2  # the thread's weight bytes, 16 to a load
+    assert counts.get("LDG.E", 0) <= weights // 16  # plain global loads (not the pipeliner's copies)
+    assert counts.get("SHFL.BFLY", 0) <= weights // 8
+    assert sum(counts.values()) <= 6 * weights
