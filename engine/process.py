@@ -113,9 +113,12 @@ def warm_up_lengths(engine: Engine) -> tuple[int, ...]:
 def _warm_up(engine: Engine, lengths: tuple[int, ...] | None = None) -> None:
     """Requests of `lengths` prompt tokens (default: `warm_up_lengths`) through the engine, one at
     a time, before it serves; its counters start from zero after them. Each prompt is clamped to
-    the engine's context."""
+    the engine's context and to what its KV cache holds."""
+    pool = engine.pool
     for i, n in enumerate(warm_up_lengths(engine) if lengths is None else lengths):
         n = max(1, min(n, engine.max_model_len - 2))
+        while n > 1 and pool.blocks_for(n + 2) > pool.num_blocks - 1:
+            n //= 2
         engine.add_request(Request(f"warmup{i}", list(range(2, 2 + n)), SamplingParams(max_tokens=2, ignore_eos=True)))
         while engine.has_work():
             engine.step()

@@ -110,16 +110,16 @@ def test_rows_running_out_swap_out_the_least_recently_used_idle_session(engine):
 
 
 @pytest.mark.parametrize("cuda_lengths", [False, True])
-@pytest.mark.parametrize("max_model_len", [256, 20])
-def test_the_engine_process_warm_up_leaves_no_trace(max_model_len, cuda_lengths):
-    """The warm-up's prompts (clamped to a short context; with `cuda_lengths`, those a CUDA
-    engine warms up with) run to the end; afterwards no row is held, the counters read zero and
-    the engine serves as it would have without it."""
+@pytest.mark.parametrize("max_model_len,kv_cache_bytes", [(256, 1 << 22), (20, 1 << 22), (1024, 1 << 16)])
+def test_the_engine_process_warm_up_leaves_no_trace(max_model_len, kv_cache_bytes, cuda_lengths):
+    """The warm-up's prompts (clamped to a short context or a small KV cache; with
+    `cuda_lengths`, those a CUDA engine warms up with) run to the end; afterwards no row is held,
+    the counters read zero and the engine serves as it would have without it."""
     from engine.kernels import moe, nf4
     from engine.process import CUDA_WARM_UP_PROMPT, WARM_UP_PROMPTS, _warm_up, warm_up_lengths
 
     cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, max_rows=4,
-                       kv_cache_bytes=1 << 22, max_model_len=max_model_len)
+                       kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
     warmed, fresh = Engine(cfg, tiny_loaded(0)), Engine(cfg, tiny_loaded(0))
     assert warm_up_lengths(warmed) == WARM_UP_PROMPTS  # a CPU engine
     _warm_up(warmed, WARM_UP_PROMPTS + (CUDA_WARM_UP_PROMPT,) if cuda_lengths else None)
