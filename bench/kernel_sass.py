@@ -25,8 +25,7 @@ SIGNATURE = {"X": "*bf16", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*bf16",
 MULTIPLE_OF_16 = ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "k_per")
 
 
-def sass(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, swap: bool,
-         group_scale: bool = False) -> str:
+def sass(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, swap: bool) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +34,7 @@ def sass(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stag
 
     fn = getattr(nf4, KERNELS[kernel])
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=False, IEEE=False, SHFL=True, SWAP=swap,
-                 X16=True, BF16=True, EVEN=True, STAGES=stages, GROUP_SCALE=group_scale, GDC=False)
+                 X16=True, BF16=True, EVEN=True, STAGES=stages, GDC=False)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {**SIGNATURE, **{k: "constexpr" for k in const}}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in MULTIPLE_OF_16}
@@ -75,10 +74,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--swap", action="store_true")
-    ap.add_argument("--group-scale", action="store_true", help="dot: each group's product scaled by its absmax")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
-    counts = loop_counts(sass(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.swap, a.group_scale))
+    counts = loop_counts(sass(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.swap))
     weights = a.block_n * a.block_k / (32 * a.warps)  # weights each thread decodes per iteration
     total = sum(counts.values())
     print(f"{KERNELS[a.kernel]}: {weights:.0f} weights per thread per K step, {total} instructions in the loop, "
@@ -87,7 +85,7 @@ def main() -> None:
     for op, c in counts.most_common(20):
         print(f"{op:>14} {c:>6} {c / weights:>10.3f}")
     launch = dict(block_m=1 if a.kernel == "gemv" else a.block_m, block_n=a.block_n, block_k=a.block_k,
-                  warps=a.warps, stages=a.stages, swap=a.swap, group_scale=a.group_scale)
+                  warps=a.warps, stages=a.stages, swap=a.swap)
     write_result(a.out, f"kernel-sass-{a.kernel}", {
         "bench": "kernel_sass", "kernel": KERNELS[a.kernel], "launch": launch, "target": "sm_90",
         "weights_per_thread_per_step": weights, "loop_instructions": total, "per_weight": total / weights,

@@ -283,7 +283,7 @@ if triton is not None:
     def _nf4_dot_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PARTIAL: tl.constexpr, IEEE: tl.constexpr, SHFL: tl.constexpr, SWAP: tl.constexpr,
-                        EVEN: tl.constexpr, GROUP_SCALE: tl.constexpr = False, GDC: tl.constexpr = False):
+                        EVEN: tl.constexpr, GDC: tl.constexpr = False):
         """Tiles of BLOCK_M rows on tensor cores, one product per BLOCK_K step: the step's weight
         tile decoded as bnb decodes it (code x absmax, rounded) in column order ([BLOCK_N,
         BLOCK_K]) against a plain [BLOCK_M, BLOCK_K] tile of x. SWAP: computed as W x^T (the weight
@@ -307,61 +307,31 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if GROUP_SCALE:  # one product per group of codes, scaled by its absmax after the product
-            k64 = tl.arange(0, 64)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                for gi in tl.static_range(G):
-                    kg = k0 + 64 * gi
-                    if EVEN:
-                        wm = nm[:, None]
-                        sm = nm
-                        xm = mm[:, None]
-                    else:
-                        wm = nm[:, None] & ((rn * 0 + kg) < k_hi)[:, None]
-                        sm = nm & ((rn * 0 + kg) < k_hi)
-                        xm = mm[:, None] & ((kg + k64) < k_hi)[None, :]
-                    p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(kg // 2, 32) + tl.arange(0, 32))[None, :],
-                                mask=wm, other=0)
-                    s = tl.load(S + row * stride_s + kg // 64, mask=sm, other=0.0)
-                    x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (kg + k64)[None, :], mask=xm, other=0.0)
-                    hi, lo = _codes(p, C, SHFL)
-                    w = tl.reshape(tl.join(hi, lo), [BLOCK_N, 64]).to(X.dtype.element_ty)
-                    if SWAP:
-                        if IEEE:
-                            acc += tl.dot(w, tl.trans(x), input_precision="ieee") * s[:, None]
-                        else:
-                            acc += tl.dot(w, tl.trans(x)) * s[:, None]
-                    else:
-                        if IEEE:
-                            acc += tl.dot(x, tl.trans(w), input_precision="ieee") * s[None, :]
-                        else:
-                            acc += tl.dot(x, tl.trans(w)) * s[None, :]
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                if EVEN:
-                    wm = nm[:, None]
-                    sm = nm[:, None]
-                    xm = mm[:, None]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if EVEN:
+                wm = nm[:, None]
+                sm = nm[:, None]
+                xm = mm[:, None]
+            else:
+                wm = nm[:, None] & ((k0 + 2 * kb) < k_hi)[None, :]
+                sm = nm[:, None] & ((k0 + 64 * g) < k_hi)[None, :]
+                xm = mm[:, None] & ((k0 + kk) < k_hi)[None, :]
+            p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(k0 // 2, 32) + kb)[None, :], mask=wm, other=0)
+            s = tl.load(S + row[:, None] * stride_s + (k0 // 64 + g)[None, :], mask=sm, other=0.0)
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=xm, other=0.0)
+            hi, lo = _codes(p, C, SHFL)
+            w = tl.reshape(tl.join(hi, lo), [BLOCK_N, G, 64]) * s[:, :, None]
+            w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
+            if SWAP:
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
                 else:
-                    wm = nm[:, None] & ((k0 + 2 * kb) < k_hi)[None, :]
-                    sm = nm[:, None] & ((k0 + 64 * g) < k_hi)[None, :]
-                    xm = mm[:, None] & ((k0 + kk) < k_hi)[None, :]
-                p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(k0 // 2, 32) + kb)[None, :], mask=wm, other=0)
-                s = tl.load(S + row[:, None] * stride_s + (k0 // 64 + g)[None, :], mask=sm, other=0.0)
-                x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=xm, other=0.0)
-                hi, lo = _codes(p, C, SHFL)
-                w = tl.reshape(tl.join(hi, lo), [BLOCK_N, G, 64]) * s[:, :, None]
-                w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
-                if SWAP:
-                    if IEEE:
-                        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-                    else:
-                        acc += tl.dot(w, tl.trans(x))
+                    acc += tl.dot(w, tl.trans(x))
+            else:
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
                 else:
-                    if IEEE:
-                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                    else:
-                        acc += tl.dot(x, tl.trans(w))
+                    acc += tl.dot(x, tl.trans(w))
         if SWAP:
             out = Y + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
             ok = nm[:, None] & mm[None, :]
@@ -419,14 +389,13 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
-               warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False, group_scale: bool = False,
+               warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False,
                pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
     `block_m` 1, one row of x per program on FMAs (`_nf4_gemv_kernel`), else tiles of `block_m`
     rows on tensor cores (`_nf4_dot_kernel`, `swap`: as W x^T); `block_n` weight rows per program,
     K in `split` slices (1: no partials) of `block_k` steps, `stages` of them in flight; `shfl`:
-    the code lookup by warp shuffle (CUDA only), else by loads; `group_scale` (tiles): the codes
-    multiplied as they are, one product per group, scaled by the group's absmax after it."""
+    the code lookup by warp shuffle (CUDA only), else by loads."""
     _check(x, w)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # rows of whole, aligned (even, odd) pairs
         x = x.clone(memory_format=torch.contiguous_format)
@@ -452,8 +421,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, IEEE=x.dtype == torch.float32,
-            SHFL=shfl and x.is_cuda, SWAP=swap, EVEN=even, GROUP_SCALE=group_scale, num_warps=warps,
-            num_stages=stages, **args)
+            SHFL=shfl and x.is_cuda, SWAP=swap, EVEN=even, num_warps=warps, num_stages=stages, **args)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block, num_warps=4,
@@ -500,15 +468,15 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
-def with_split(cand: tuple, m: int, n: int, k: int, sms: int, per_sm: int = 2, shfl: bool = False) -> dict:
-    """`cand` (block_m, block_n, block_k, warps, stages, swap[, group_scale]) as `nf4_matmul`'s
-    launch, K split in two until there are `per_sm` programs per SM (or a slice would be under
-    two K blocks; `per_sm` 0: no split)."""
-    block_m, block_n, block_k, warps, stages, swap, *rest = cand
-    group_scale = bool(rest and rest[0])
+def with_split(cand: tuple[int, int, int, int, int, bool], m: int, n: int, k: int, sms: int, per_sm: int = 2,
+               shfl: bool = False) -> dict:
+    """`cand` (block_m, block_n, block_k, warps, stages, swap) as `nf4_matmul`'s launch, K split
+    in two until there are `per_sm` programs per SM (or a slice would be under two K blocks;
+    `per_sm` 0: no split)."""
+    block_m, block_n, block_k, warps, stages, swap = cand
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages,
-                shfl=shfl, swap=swap, group_scale=group_scale)
+                shfl=shfl, swap=swap)

@@ -2,28 +2,24 @@
 ptxas its wheel ships turn each kernel into a cubin here, so a kernel that the interpreter runs
 but the GPU compiler refuses (inline PTX, layouts, shared memory) fails here first. Each launch
 kind the plans use: one row per program on FMAs (pipelined steps), tiles on tensor cores as
-x W^T and W x^T (mma and wgmma sizes; weights decoded whole or groups scaled after the product), warp-shuffle and load lookups, 16-bit and float32
+x W^T and W x^T (mma and wgmma sizes), warp-shuffle and load lookups, 16-bit and float32
 activations, split K or not, PDL launches."""
 
 import pytest
 
 pytestmark = pytest.mark.interpret
 
-# (block_m, block_n, block_k, warps, stages, swap, dtype, shfl, partial, even, group_scale)
+# (block_m, block_n, block_k, warps, stages, swap, dtype, shfl, partial, even)
 VARIANTS = [
-    (1, 16, 512, 4, 3, False, "bf16", True, False, True, False),
-    (1, 8, 512, 4, 2, False, "bf16", True, True, False, False),
-    (1, 32, 512, 8, 3, False, "fp16", False, False, True, False),
-    (1, 16, 256, 4, 3, False, "fp32", True, True, False, False),
-    (16, 64, 128, 4, 3, True, "bf16", True, True, True, False),
-    (16, 32, 256, 4, 3, False, "bf16", True, False, False, False),
-    (64, 64, 128, 4, 3, True, "bf16", True, False, True, False),
-    (64, 32, 256, 4, 2, False, "fp16", False, True, True, False),
-    (32, 64, 128, 4, 3, True, "fp32", True, True, False, False),
-    (16, 128, 256, 4, 3, True, "bf16", True, True, True, True),
-    (16, 64, 128, 8, 3, False, "bf16", True, False, False, True),
-    (64, 128, 128, 8, 3, True, "fp16", False, False, True, True),
-    (32, 64, 256, 4, 3, False, "fp32", True, True, False, True),
+    (1, 16, 512, 4, 3, False, "bf16", True, False, True),
+    (1, 8, 512, 4, 2, False, "bf16", True, True, False),
+    (1, 32, 512, 8, 3, False, "fp16", False, False, True),
+    (1, 16, 256, 4, 3, False, "fp32", True, True, False),
+    (16, 64, 128, 4, 3, True, "bf16", True, True, True),
+    (16, 32, 256, 4, 3, False, "bf16", True, False, False),
+    (64, 64, 128, 4, 3, True, "bf16", True, False, True),
+    (64, 32, 256, 4, 2, False, "fp16", False, True, True),
+    (32, 64, 128, 4, 3, True, "fp32", True, True, False),
 ]
 
 
@@ -50,7 +46,7 @@ def test_nf4_kernel_compiles_for_sm90(variant):
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     from engine.kernels import nf4
 
-    bm, bn, bk, warps, stages, swap, dtype, shfl, partial, even, group_scale = variant
+    bm, bn, bk, warps, stages, swap, dtype, shfl, partial, even = variant
     sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
            "k_per": "i32"}
@@ -61,7 +57,7 @@ def test_nf4_kernel_compiles_for_sm90(variant):
     else:
         fn = nf4._nf4_dot_kernel
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, IEEE=dtype == "fp32", SHFL=shfl, SWAP=swap,
-                      EVEN=even, GROUP_SCALE=group_scale, GDC=True)
+                      EVEN=even, GDC=True)
     kernel = _compile(fn, sig, consts, warps, stages,
                       ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
