@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -48,6 +48,12 @@ case "${2:-}" in
       | tee "$OUT/profile-decode-gemma3-4b-nf4.log" | grep -A34 "^N="
     timeout 240 python3 -m bench.profile_decode --shape gemma4-26b-a4b --weights bnb-4bit --n 1 8 2>&1 \
       | tee "$OUT/profile-decode-gemma4-26b-a4b-nf4.log" | grep -A34 "^N=" ;;
+  nf4-permute)  # NF4 tiles with the code lookup by warp shuffle against the lookup by byte permutes
+    # (Gemma-3 4B projections at 1, 8 and 64 rows), then the NF4 kernels' GPU tests
+    timeout 400 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 64 --sweep permute --out "$OUT" 2>&1 \
+      | tee "$OUT/nf4-kernels-permute.log" | grep -v "^ \{9\}"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py -k kernels_match \
+      2>&1 | tee "$OUT/cuda-tests-nf4-permute.log" | grep -v "^\.$" | tail -8 ;;
   nf4-sweep)  # the NF4 products' planned launches against a wider grid, then Nsight Compute's view of
     # the one-row kernel on Gemma-3 4B's gate/up at its planned launch (pipes, stalls, occupancy)
     timeout 330 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 --sweep --out "$OUT" 2>&1 \

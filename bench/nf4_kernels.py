@@ -10,7 +10,9 @@ of its weights (128 MB or more in all) so that, as in a forward, they are not se
 
 `--sweep` also times a wider grid of launches per projection and row count (tile rows and
 columns, K step, warps, stages, K split for 0-16 programs per SM) and prints the fastest that
-agree with the library's product, beside the planned one.
+agree with the library's product, beside the planned one. `--sweep permute` times tiles
+(one row as a tile of 16 too) whose codes are looked up by warp shuffle against tiles whose
+codes are looked up by byte permutes (kernels/nf4.py, `permute`).
 """
 
 from __future__ import annotations
@@ -50,21 +52,29 @@ SWEEP_ONE_ROW = [(1, bn, bk, w, st, False) for bn in (4, 8, 16, 32) for bk in (2
                  for st in (3, 4) if bn * bk // 2 // (32 * w) >= 8]
 SWEEP_TILES = [(bm, bn, bk, w, 3, sw) for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (64, 128, 256)
                for w in (4, 8) for sw in (False, True)]
+# tiles whose codes are looked up by warp shuffle (the weight decoded whole: code x absmax,
+# rounded) against tiles whose codes are looked up by byte permutes (the 7th field); one row too
+SWEEP_PERMUTE = [(bm, bn, bk, w, 3, sw, perm) for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256)
+                 for w in (4, 8) for sw in (False, True) for perm in (False, True)]
+SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8))}
 
 
-def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor) -> list[dict]:
-    """Launches of the NF4 kernels for x's row count (one row: SWEEP_ONE_ROW, else SWEEP_TILES at
-    the tile rows that cover it), each with K split for 0, 2, 4, 8 and 16 programs per SM,
-    timed as the plan times them; those that agree with the library's product on the
-    dequantized first weight, fastest first."""
+def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") -> list[dict]:
+    """Launches of the NF4 kernels for x's row count from SWEEPS[grid] (its one-row launches for
+    one row, and its tiles at the tile rows that cover the row count), each with K split for
+    its numbers of programs per SM, timed as the plan times them; those that agree with the
+    library's product on the dequantized first weight, fastest first."""
     m, k = x.shape
     n = ws[0].shape[0]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cands = SWEEP_ONE_ROW if m == 1 else [c for c in SWEEP_TILES if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
+    one_row, tiles, per_sms = SWEEPS[grid]
+    cands = [c for c in tiles if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
+    if m == 1:
+        cands = one_row + ([] if one_row else cands)
     want = F.linear(x, dense)
     out, seen = [], []
     for cand in cands:
-        for per_sm in (0, 2, 4, 8, 16):
+        for per_sm in per_sms:
             cfg = nf4.with_split(cand, m, n, k, sms, per_sm, shfl=True)
             if cfg in seen:
                 continue
@@ -89,7 +99,8 @@ def main() -> None:
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--sweep", action="store_true", help="time a wider grid of launches (see the module doc)")
+    ap.add_argument("--sweep", nargs="?", const="grid", choices=sorted(SWEEPS),
+                    help="time a wider grid of launches (see the module doc)")
     a = ap.parse_args()
     dtype = torch.bfloat16
     bw = copy_bandwidth("cuda") / 2  # read bytes per second of a copy
@@ -122,13 +133,19 @@ def main() -> None:
             row = {"projection": name, "out": n_out, "in": k, "rows": m, "nf4_us": ours, "nf4_gb_s": gbs,
                    "bnb_us": theirs, "bf16_us": lib, "launch": cfg}
             if a.sweep:
-                row["sweep"] = sweep(x, ws, full[0])
+                row["sweep"] = sweep(x, ws, full[0], a.sweep)
                 best = row["sweep"][0] if row["sweep"] else None
                 if best:
                     print(f"  sweep: {len(row['sweep'])} launches agree; fastest {best['us']:.1f} us "
                           f"({ours / best['us']:.2f}x the plan's): {best['launch']}")
                     for r in row["sweep"][1:5]:
                         print(f"         {r['us']:.1f} us: {r['launch']}")
+                    for perm in (False, True):  # the fastest tile of each code lookup
+                        r = next((r for r in row["sweep"] if r["launch"]["block_m"] > 1
+                                  and r["launch"]["permute"] == perm), None)
+                        if r:
+                            print(f"    fastest tile, {'permutes' if perm else 'shuffles'}: {r['us']:.1f} us "
+                                  f"({ours / r['us']:.2f}x the plan's): {r['launch']}")
             rows.append(row)
 
             def f(v, w=8):

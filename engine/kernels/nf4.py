@@ -189,6 +189,93 @@ if triton is not None:
         else:
             return tl.load(C + (p >> 4).to(tl.int32)), tl.load(C + (p & 15).to(tl.int32))
 
+    # The code lookup by byte permutes on the integer pipe (no shuffle, no memory): the 16 codes,
+    # rounded to the activations' 16-bit type, as two 16-byte tables (their low bytes $5-$17,
+    # their high bytes $21-$33, each four words of four entries). A packed word's low 16 bits
+    # hold the nibbles of columns 1, 0, 3, 2 (a byte's high nibble is its even column), which is
+    # the selector layout of prmt: the nibbles with bit 3 cleared pick an entry from entries 0-7
+    # and from 8-15, bit 3 picks between the two, and two more permutes pair each column's low
+    # and high byte, columns (0, 1) and (2, 3) as the two 16-bit halves of a word. The high
+    # 16 bits give columns 4-7 the same way. Outputs: columns 0-3 ($0, $1), then 4-7 ($2, $3).
+    _PRMT_CODES = tl.constexpr("""
+    {
+    .reg .b32 s, m, q, a, b, lo, hi;
+    and.b32 s, $4, 0x7777;
+    shr.b32 m, $4, 1;
+    and.b32 m, m, 0x4444;
+    or.b32 m, m, 0x3210;
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 lo, a, b, m;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 hi, a, b, m;
+    prmt.b32 $0, lo, hi, 0x4051;
+    prmt.b32 $1, lo, hi, 0x6273;
+    shr.b32 q, $4, 16;
+    and.b32 s, q, 0x7777;
+    shr.b32 m, q, 1;
+    and.b32 m, m, 0x4444;
+    or.b32 m, m, 0x3210;
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 lo, a, b, m;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 hi, a, b, m;
+    prmt.b32 $2, lo, hi, 0x4051;
+    prmt.b32 $3, lo, hi, 0x6273;
+    }
+    """)
+
+    @triton.jit
+    def _code_tables(C, X):
+        """The 16 codes rounded to X's element type (16 bits) as the permute lookup's eight table words: the
+        low bytes of codes 4w..4w+3 (w = 0-3), then their high bytes, entry 4w in the lowest byte."""
+        ci = tl.arange(0, 16)
+        bits = tl.load(C + ci).to(X.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+        shift = 8 * (ci % 4)
+        lo = (bits & 255) << shift
+        hi = (bits >> 8) << shift
+        w = ci // 4
+        return (tl.sum(tl.where(w == 0, lo, 0), axis=0), tl.sum(tl.where(w == 1, lo, 0), axis=0),
+                tl.sum(tl.where(w == 2, lo, 0), axis=0), tl.sum(tl.where(w == 3, lo, 0), axis=0),
+                tl.sum(tl.where(w == 0, hi, 0), axis=0), tl.sum(tl.where(w == 1, hi, 0), axis=0),
+                tl.sum(tl.where(w == 2, hi, 0), axis=0), tl.sum(tl.where(w == 3, hi, 0), axis=0))
+
+    @triton.jit
+    def _permute_codes(P, C, X, row, nm, kg, k_hi, stride_p, t0, t1, t2, t3, t4, t5, t6, t7,
+                       ASM: tl.constexpr, EVEN: tl.constexpr):
+        """A group of 64 columns from kg of weight rows `row` as codes in X's element type (16 bits), two
+        [BLOCK_N, 32] halves: A holds columns 8q + r and B columns 8q + 4 + r at position 4q + r
+        (q 0-7, r 0-3), the order the permute lookup yields them in; zero past k_hi and past the
+        last row. ASM: by byte permutes of the packed bytes (CUDA), else codes loaded per column."""
+        j = tl.arange(0, 32)
+        if EVEN:
+            ok = nm[:, None]
+        else:
+            ok = nm[:, None] & ((row * 0 + kg) < k_hi)[:, None]
+        base = P + row[:, None] * stride_p + tl.multiple_of(kg // 2, 32)
+        if ASM:
+            p = tl.load(base + j[None, :], mask=ok, other=0)
+            z = tl.zeros(p.shape, tl.int32)
+            a, b = tl.inline_asm_elementwise(
+                _PRMT_CODES, "=r,=r,=r,=r,r," + ",".join(["r"] * 32),
+                [p, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6, z + t7],
+                dtype=(X.dtype.element_ty, X.dtype.element_ty),
+                is_pure=True, pack=4)
+            return a, b
+        else:
+            col_a = 8 * (j // 4) + j % 4
+            pa = tl.load(base + (col_a // 2)[None, :], mask=ok, other=0).to(tl.int32)
+            pb = tl.load(base + (col_a // 2 + 2)[None, :], mask=ok, other=0).to(tl.int32)
+            even = (j % 2 == 0)[None, :]
+            na = tl.where(even, pa >> 4, pa & 15)
+            nb = tl.where(even, pb >> 4, pb & 15)
+            a = tl.where(ok, tl.load(C + na), 0.0).to(X.dtype.element_ty)
+            b = tl.where(ok, tl.load(C + nb), 0.0).to(X.dtype.element_ty)
+            return a, b
+
     @triton.jit
     def _nf4_group(P, S, C, rn, nm, kg, k_hi, stride_p, stride_s, SHFL: tl.constexpr, EVEN: tl.constexpr = False):
         """The group of 64 columns from kg of weight rows rn: the code values of its even and odd
@@ -283,7 +370,7 @@ if triton is not None:
     def _nf4_dot_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PARTIAL: tl.constexpr, IEEE: tl.constexpr, SHFL: tl.constexpr, SWAP: tl.constexpr,
-                        EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                        EVEN: tl.constexpr, PERMUTE: tl.constexpr = False, GDC: tl.constexpr = False):
         """Tiles of BLOCK_M rows on tensor cores, one product per BLOCK_K step: the step's weight
         tile decoded as bnb decodes it (code x absmax, rounded) in column order ([BLOCK_N,
         BLOCK_K]) against a plain [BLOCK_M, BLOCK_K] tile of x. SWAP: computed as W x^T (the weight
@@ -307,31 +394,55 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if EVEN:
-                wm = nm[:, None]
-                sm = nm[:, None]
-                xm = mm[:, None]
-            else:
-                wm = nm[:, None] & ((k0 + 2 * kb) < k_hi)[None, :]
-                sm = nm[:, None] & ((k0 + 64 * g) < k_hi)[None, :]
-                xm = mm[:, None] & ((k0 + kk) < k_hi)[None, :]
-            p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(k0 // 2, 32) + kb)[None, :], mask=wm, other=0)
-            s = tl.load(S + row[:, None] * stride_s + (k0 // 64 + g)[None, :], mask=sm, other=0.0)
-            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=xm, other=0.0)
-            hi, lo = _codes(p, C, SHFL)
-            w = tl.reshape(tl.join(hi, lo), [BLOCK_N, G, 64]) * s[:, :, None]
-            w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
-            if SWAP:
-                if IEEE:
-                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        if PERMUTE:  # codes by byte permutes, two products per group, scaled by its absmax after
+            t0, t1, t2, t3, t4, t5, t6, t7 = _code_tables(C, X)
+            j32 = tl.arange(0, 32)
+            col_a = 8 * (j32 // 4) + j32 % 4
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                for gi in tl.static_range(G):
+                    kg = k0 + 64 * gi
+                    if EVEN:
+                        sm = nm
+                        xm = mm[:, None]
+                    else:
+                        sm = nm & ((rn * 0 + kg) < k_hi)
+                        xm = mm[:, None] & ((rm * 0 + kg) < k_hi)[:, None]
+                    a, b = _permute_codes(P, C, X, row, nm, kg, k_hi, stride_p, t0, t1, t2, t3, t4, t5, t6, t7,
+                                          SHFL, EVEN)
+                    s = tl.load(S + row * stride_s + kg // 64, mask=sm, other=0.0)
+                    xr = X + rm[:, None].to(tl.int64) * stride_xm + kg
+                    xa = tl.load(xr + col_a[None, :], mask=xm, other=0.0)
+                    xb = tl.load(xr + (col_a + 4)[None, :], mask=xm, other=0.0)
+                    if SWAP:
+                        acc += (tl.dot(a, tl.trans(xa)) + tl.dot(b, tl.trans(xb))) * s[:, None]
+                    else:
+                        acc += (tl.dot(xa, tl.trans(a)) + tl.dot(xb, tl.trans(b))) * s[None, :]
+        else:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                if EVEN:
+                    wm = nm[:, None]
+                    sm = nm[:, None]
+                    xm = mm[:, None]
                 else:
-                    acc += tl.dot(w, tl.trans(x))
-            else:
-                if IEEE:
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    wm = nm[:, None] & ((k0 + 2 * kb) < k_hi)[None, :]
+                    sm = nm[:, None] & ((k0 + 64 * g) < k_hi)[None, :]
+                    xm = mm[:, None] & ((k0 + kk) < k_hi)[None, :]
+                p = tl.load(P + row[:, None] * stride_p + (tl.multiple_of(k0 // 2, 32) + kb)[None, :], mask=wm, other=0)
+                s = tl.load(S + row[:, None] * stride_s + (k0 // 64 + g)[None, :], mask=sm, other=0.0)
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=xm, other=0.0)
+                hi, lo = _codes(p, C, SHFL)
+                w = tl.reshape(tl.join(hi, lo), [BLOCK_N, G, 64]) * s[:, :, None]
+                w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
+                if SWAP:
+                    if IEEE:
+                        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                    else:
+                        acc += tl.dot(w, tl.trans(x))
                 else:
-                    acc += tl.dot(x, tl.trans(w))
+                    if IEEE:
+                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    else:
+                        acc += tl.dot(x, tl.trans(w))
         if SWAP:
             out = Y + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
             ok = nm[:, None] & mm[None, :]
@@ -389,18 +500,22 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
-               warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False,
+               warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False, permute: bool = False,
                pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
     `block_m` 1, one row of x per program on FMAs (`_nf4_gemv_kernel`), else tiles of `block_m`
     rows on tensor cores (`_nf4_dot_kernel`, `swap`: as W x^T); `block_n` weight rows per program,
     K in `split` slices (1: no partials) of `block_k` steps, `stages` of them in flight; `shfl`:
-    the code lookup by warp shuffle (CUDA only), else by loads."""
+    the code lookup by warp shuffle (CUDA only), else by loads; `permute` (tiles, 16-bit x): the
+    codes in x's dtype by byte permutes (CUDA; loads elsewhere), each group's product scaled by
+    its absmax after it."""
     _check(x, w)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # rows of whole, aligned (even, odd) pairs
         x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.shape[0]
+    if permute and (block_m == 1 or x.element_size() != 2):
+        raise ValueError("the permute lookup takes tiles (block_m from 16) of 16-bit activations")
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or 1 < block_m < 16:
         raise ValueError("block_k must be a multiple of 64, block_n a power of two, block_m 1 or a power of "
                          "two from 16")
@@ -421,7 +536,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, IEEE=x.dtype == torch.float32,
-            SHFL=shfl and x.is_cuda, SWAP=swap, EVEN=even, num_warps=warps, num_stages=stages, **args)
+            SHFL=(permute or shfl) and x.is_cuda, SWAP=swap, EVEN=even, PERMUTE=permute, num_warps=warps,
+            num_stages=stages, **args)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block, num_warps=4,
@@ -468,15 +584,15 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 
-def with_split(cand: tuple[int, int, int, int, int, bool], m: int, n: int, k: int, sms: int, per_sm: int = 2,
-               shfl: bool = False) -> dict:
-    """`cand` (block_m, block_n, block_k, warps, stages, swap) as `nf4_matmul`'s launch, K split
-    in two until there are `per_sm` programs per SM (or a slice would be under two K blocks;
-    `per_sm` 0: no split)."""
-    block_m, block_n, block_k, warps, stages, swap = cand
+def with_split(cand: tuple, m: int, n: int, k: int, sms: int, per_sm: int = 2, shfl: bool = False) -> dict:
+    """`cand` (block_m, block_n, block_k, warps, stages, swap[, permute]) as `nf4_matmul`'s
+    launch, K split in two until there are `per_sm` programs per SM (or a slice would be under
+    two K blocks; `per_sm` 0: no split)."""
+    block_m, block_n, block_k, warps, stages, swap, *rest = cand
+    permute = bool(rest and rest[0])
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages,
-                shfl=shfl, swap=swap)
+                shfl=shfl, swap=swap, permute=permute)

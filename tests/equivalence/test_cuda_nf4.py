@@ -41,9 +41,10 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
     """Every planned launch (NF4_CANDIDATES: one row per program and tensor-core tiles, W x^T or
-    x W^T, with and without K splits, plain and PDL launches), launch_for's and the prefill
-    path, at 1 to 300 rows, on Gemma-3 4B projection shapes and odd ones, against
-    dequantize_4bit + F.linear on the same packed weight; the dequantization itself bit for bit."""
+    x W^T, with and without K splits, codes by shuffle, loads or byte permutes, plain and PDL
+    launches), launch_for's and the prefill path, at 1 to 300 rows, on Gemma-3 4B projection
+    shapes and odd ones, against dequantize_4bit + F.linear on the same packed weight; the
+    dequantization itself bit for bit."""
     pytest.importorskip("bitsandbytes")
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2  # the reference's own output rounding dominates
     worst = 0.0
@@ -69,6 +70,8 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
                         launches += [dict(nf4.with_split(c, m, n, k, sms, shfl=True), pdl=pdl) for c in cands]
                         break
                 launches.append(dict(nf4.launch_for(m, n, k, sms, shfl=True), split=1))
+                launches += [nf4.with_split(c, m, n, k, sms, per_sm) for c in  # the code lookup by byte permutes
+                             ((16, 64, 128, 4, 3, True, True), (64, 128, 256, 8, 3, False, True)) for per_sm in (0, 4)]
             elif dtype == torch.float32:  # both kernels and both tile orientations on float32 activations
                 launches += [dict(nf4.with_split(c, m, n, k, sms, shfl=True)) for c in
                              ((1, 16, 512, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 32, 128, 4, 3, False))]
