@@ -228,6 +228,8 @@ if triton is not None:
     }
     """)
 
+    _PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r," + ",".join(["r"] * 32))
+
     @triton.jit
     def _code_tables(C, X):
         """The 16 codes rounded to X's element type (16 bits) as the permute lookup's eight table words: the
@@ -260,7 +262,7 @@ if triton is not None:
             p = tl.load(base + j[None, :], mask=ok, other=0)
             z = tl.zeros(p.shape, tl.int32)
             a, b = tl.inline_asm_elementwise(
-                _PRMT_CODES, "=r,=r,=r,=r,r," + ",".join(["r"] * 32),
+                _PRMT_CODES, _PRMT_CONSTRAINTS,
                 [p, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6, z + t7],
                 dtype=(X.dtype.element_ty, X.dtype.element_ty),
                 is_pure=True, pack=4)
