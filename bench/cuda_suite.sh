@@ -48,9 +48,10 @@ case "${2:-}" in
       | tee "$OUT/profile-decode-gemma3-4b-nf4.log" | grep -A34 "^N="
     timeout 240 python3 -m bench.profile_decode --shape gemma4-26b-a4b --weights bnb-4bit --n 1 8 2>&1 \
       | tee "$OUT/profile-decode-gemma4-26b-a4b-nf4.log" | grep -A34 "^N=" ;;
-  nf4-permute)  # NF4 tiles with the code lookup by warp shuffle against the lookup by byte permutes
-    # (Gemma-3 4B projections at 1, 8 and 64 rows), then the NF4 kernels' GPU tests
-    timeout 400 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 64 --sweep permute --out "$OUT" 2>&1 \
+  nf4-permute)  # NF4 launches with the code lookup by warp shuffle against the lookup by byte permutes
+    # (Gemma-3 4B projections at 1, 8 and 64 rows; SWEEP=permute: a grid of tiles, SWEEP=permute-planned:
+    # the planned launches), then the NF4 kernels' GPU tests
+    timeout 400 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 64 --sweep ${SWEEP:-permute} --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-kernels-permute.log" | grep -v "^ \{9\}"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py -k kernels_match \
       2>&1 | tee "$OUT/cuda-tests-nf4-permute.log" | grep -v "^\.$" | tail -8 ;;

@@ -56,7 +56,11 @@ SWEEP_TILES = [(bm, bn, bk, w, 3, sw) for bm in (16, 32, 64) for bn in (32, 64, 
 # rounded) against tiles whose codes are looked up by byte permutes (the 7th field); one row too
 SWEEP_PERMUTE = [(bm, bn, bk, w, 3, sw, perm) for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256)
                  for w in (4, 8) for sw in (False, True) for perm in (False, True)]
-SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8))}
+# the planned launches with each code lookup: one row per program, and tiles of 16 rows
+SWEEP_PERMUTE_PLANNED = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[1] for perm in (False, True)]
+SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if c[5] for perm in (False, True)]
+SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
+          "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4))}
 
 
 def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") -> list[dict]:
@@ -140,11 +144,10 @@ def main() -> None:
                           f"({ours / best['us']:.2f}x the plan's): {best['launch']}")
                     for r in row["sweep"][1:5]:
                         print(f"         {r['us']:.1f} us: {r['launch']}")
-                    for perm in (False, True):  # the fastest tile of each code lookup
-                        r = next((r for r in row["sweep"] if r["launch"]["block_m"] > 1
-                                  and r["launch"]["permute"] == perm), None)
+                    for perm in (False, True):  # the fastest launch of each code lookup
+                        r = next((r for r in row["sweep"] if r["launch"]["permute"] == perm), None)
                         if r:
-                            print(f"    fastest tile, {'permutes' if perm else 'shuffles'}: {r['us']:.1f} us "
+                            print(f"    fastest, {'permutes' if perm else 'shuffles'}: {r['us']:.1f} us "
                                   f"({ours / r['us']:.2f}x the plan's): {r['launch']}")
             rows.append(row)
 
