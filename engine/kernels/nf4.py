@@ -230,59 +230,6 @@ if triton is not None:
 
     _PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r," + ",".join(["r"] * 32))
 
-    # The same lookup for the one-row kernel, bfloat16 codes widened to float32 (a bfloat16 is
-    # the upper half of its float32): outputs as `_SHFL_CODES`'s, the high nibbles' codes of the
-    # four bytes ($0-$3), then the low nibbles' ($4-$7); the tables at $9-$37.
-    _PRMT_CODES_F32 = tl.constexpr("""
-    {
-    .reg .b32 s, m, q, a, b, lo, hi, w;
-    and.b32 s, $8, 0x7777;
-    shr.b32 m, $8, 1;
-    and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;
-    prmt.b32 a, $9, $13, s;
-    prmt.b32 b, $17, $21, s;
-    prmt.b32 lo, a, b, m;
-    prmt.b32 a, $25, $29, s;
-    prmt.b32 b, $33, $37, s;
-    prmt.b32 hi, a, b, m;
-    prmt.b32 w, lo, hi, 0x4051;
-    shl.b32 $0, w, 16;
-    and.b32 $4, w, 0xffff0000;
-    prmt.b32 w, lo, hi, 0x6273;
-    shl.b32 $1, w, 16;
-    and.b32 $5, w, 0xffff0000;
-    shr.b32 q, $8, 16;
-    and.b32 s, q, 0x7777;
-    shr.b32 m, q, 1;
-    and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;
-    prmt.b32 a, $9, $13, s;
-    prmt.b32 b, $17, $21, s;
-    prmt.b32 lo, a, b, m;
-    prmt.b32 a, $25, $29, s;
-    prmt.b32 b, $33, $37, s;
-    prmt.b32 hi, a, b, m;
-    prmt.b32 w, lo, hi, 0x4051;
-    shl.b32 $2, w, 16;
-    and.b32 $6, w, 0xffff0000;
-    prmt.b32 w, lo, hi, 0x6273;
-    shl.b32 $3, w, 16;
-    and.b32 $7, w, 0xffff0000;
-    }
-    """)
-    _PRMT_F32_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r," + ",".join(["r"] * 32))
-
-    @triton.jit
-    def _permute_codes_f32(p, t0, t1, t2, t3, t4, t5, t6, t7):
-        """The bfloat16 codes of the high and low nibbles of the bytes p, as float32, by byte
-        permutes (CUDA); the tables from `_code_tables` for bfloat16."""
-        z = tl.zeros(p.shape, tl.int32)
-        hi, lo = tl.inline_asm_elementwise(_PRMT_CODES_F32, _PRMT_F32_CONSTRAINTS,
-                                           [p, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6, z + t7],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
-        return hi.to(tl.float32, bitcast=True), lo.to(tl.float32, bitcast=True)
-
     @triton.jit
     def _code_tables(C, X):
         """The 16 codes rounded to X's element type (16 bits) as the permute lookup's eight table words: the
@@ -391,7 +338,7 @@ if triton is not None:
     def _nf4_gemv_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, SHFL: tl.constexpr,
                          X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                         PERMUTE: tl.constexpr = False, GDC: tl.constexpr = False):
+                         GDC: tl.constexpr = False):
         """One row of x per program (pid 2) against BLOCK_N weight rows over a K slice, in tiles of
         G = BLOCK_K / 64 whole groups ([BLOCK_N, G, 32] bytes) with STAGES tiles in flight
         (Triton's pipeliner): each thread sums its part of a group's products first and scales
@@ -409,14 +356,9 @@ if triton is not None:
         pdl_enter(GDC)
         xr = X + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, G], tl.float32)
-        if PERMUTE:  # bfloat16 codes by byte permutes (SHFL: on CUDA)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _code_tables(C, X)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
-            if PERMUTE and SHFL:
-                hi, lo = _permute_codes_f32(p, t0, t1, t2, t3, t4, t5, t6, t7)
-            else:
-                hi, lo = _codes(p, C, SHFL)
+            hi, lo = _codes(p, C, SHFL)
             xe, xo = _x_tile(xr, g, j, k0, k_hi, X16, BF16, EVEN)
             acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
         y = tl.sum(acc, axis=1)
@@ -574,8 +516,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.shape[0]
-    if permute and (x.element_size() != 2 or block_m == 1 and x.dtype != torch.bfloat16):
-        raise ValueError("the permute lookup takes 16-bit activations (bfloat16 for one row per program)")
+    if permute and (block_m == 1 or x.element_size() != 2):
+        raise ValueError("the permute lookup takes tiles (block_m from 16) of 16-bit activations")
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or 1 < block_m < 16:
         raise ValueError("block_k must be a multiple of 64, block_n a power of two, block_m 1 or a power of "
                          "two from 16")
@@ -590,9 +532,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     if block_m == 1:
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
-            BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, SHFL=(permute or shfl) and x.is_cuda,
-            X16=x.element_size() == 2,
-            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, PERMUTE=permute, num_warps=warps, **args)
+            BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
+            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, num_warps=warps, **args)
     else:
         _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
