@@ -88,9 +88,11 @@ def check_kernels() -> float:
             want = x.float() @ want_w.float().T
             launches = [dict(block_m=1, block_n=16, block_k=128, split=2),
                         dict(block_m=1, block_n=8, block_k=512, split=1)]
-            if dtype == torch.float16:
+            if dtype == torch.float16:  # tiles, with the codes by shuffle (loads here) and by byte permutes
                 launches += [dict(block_m=16, block_n=16, block_k=128, split=1),
-                             dict(block_m=16, block_n=32, block_k=128, split=2, swap=True)]
+                             dict(block_m=16, block_n=32, block_k=128, split=2, swap=True),
+                             dict(block_m=16, block_n=16, block_k=128, split=1, permute=True),
+                             dict(block_m=16, block_n=32, block_k=64, split=3, swap=True, permute=True)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.dtype == dtype and rel(got, want) < 1e-2, (dtype, m, launch, rel(got, want))

@@ -2,24 +2,27 @@
 ptxas its wheel ships turn each kernel into a cubin here, so a kernel that the interpreter runs
 but the GPU compiler refuses (inline PTX, layouts, shared memory) fails here first. Each launch
 kind the plans use: one row per program on FMAs (pipelined steps), tiles on tensor cores as
-x W^T and W x^T (mma and wgmma sizes), warp-shuffle and load lookups, 16-bit and float32
+x W^T and W x^T (mma and wgmma sizes; codes by shuffle, loads or byte permutes), warp-shuffle and load lookups, 16-bit and float32
 activations, split K or not, PDL launches."""
 
 import pytest
 
 pytestmark = pytest.mark.interpret
 
-# (block_m, block_n, block_k, warps, stages, swap, dtype, shfl, partial, even)
+# (block_m, block_n, block_k, warps, stages, swap, dtype, shfl, partial, even, permute)
 VARIANTS = [
-    (1, 16, 512, 4, 3, False, "bf16", True, False, True),
-    (1, 8, 512, 4, 2, False, "bf16", True, True, False),
-    (1, 32, 512, 8, 3, False, "fp16", False, False, True),
-    (1, 16, 256, 4, 3, False, "fp32", True, True, False),
-    (16, 64, 128, 4, 3, True, "bf16", True, True, True),
-    (16, 32, 256, 4, 3, False, "bf16", True, False, False),
-    (64, 64, 128, 4, 3, True, "bf16", True, False, True),
-    (64, 32, 256, 4, 2, False, "fp16", False, True, True),
-    (32, 64, 128, 4, 3, True, "fp32", True, True, False),
+    (1, 16, 512, 4, 3, False, "bf16", True, False, True, False),
+    (1, 8, 512, 4, 2, False, "bf16", True, True, False, False),
+    (1, 32, 512, 8, 3, False, "fp16", False, False, True, False),
+    (1, 16, 256, 4, 3, False, "fp32", True, True, False, False),
+    (16, 64, 128, 4, 3, True, "bf16", True, True, True, False),
+    (16, 32, 256, 4, 3, False, "bf16", True, False, False, False),
+    (64, 64, 128, 4, 3, True, "bf16", True, False, True, False),
+    (64, 32, 256, 4, 2, False, "fp16", False, True, True, False),
+    (32, 64, 128, 4, 3, True, "fp32", True, True, False, False),
+    (16, 64, 128, 4, 3, True, "bf16", True, True, True, True),
+    (16, 64, 256, 8, 3, False, "fp16", True, False, False, True),
+    (64, 128, 128, 4, 3, True, "bf16", True, True, False, True),
 ]
 
 
@@ -46,7 +49,7 @@ def test_nf4_kernel_compiles_for_sm90(variant):
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     from engine.kernels import nf4
 
-    bm, bn, bk, warps, stages, swap, dtype, shfl, partial, even = variant
+    bm, bn, bk, warps, stages, swap, dtype, shfl, partial, even, permute = variant
     sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
            "k_per": "i32"}
@@ -57,11 +60,12 @@ def test_nf4_kernel_compiles_for_sm90(variant):
     else:
         fn = nf4._nf4_dot_kernel
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, IEEE=dtype == "fp32", SHFL=shfl, SWAP=swap,
-                      EVEN=even, GDC=True)
+                      EVEN=even, PERMUTE=permute, GDC=True)
     kernel = _compile(fn, sig, consts, warps, stages,
                       ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
-    assert ("shfl.sync.idx.b32" in kernel.asm["ptx"]) == shfl
+    assert ("shfl.sync.idx.b32" in kernel.asm["ptx"]) == (shfl and not permute)
+    assert ("prmt.b32 a," in kernel.asm["ptx"]) == permute
     if bm == 1:
         assert "cp.async" in kernel.asm["ptx"], "the weight tiles are loaded ahead through the pipeliner"
     elif dtype != "fp32":
@@ -101,3 +105,20 @@ def test_the_one_row_kernel_spends_one_shuffle_per_weight_and_sums_groups_within
     assert counts.get("LDG.E", 0) <= weights // 16  # plain global loads (not the pipeliner's copies)
     assert counts.get("SHFL.BFLY", 0) <= weights // 8
     assert sum(counts.values()) <= 6 * weights
+
+
+def test_the_permute_lookup_takes_the_codes_off_the_shuffle_and_memory_pipes():
+    """The tile kernel's K loop with `permute` (bench/kernel_sass.py, the 8-row plans' tile):
+    no shuffle and no load for the code lookup, eight byte permutes per four weights (two
+    16-byte tables, low and high bytes, each looked up in two halves and merged, then each
+    column's two bytes paired), and no per-weight scaling (each group's product is scaled)."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from bench.kernel_sass import loop_counts, sass
+
+    block_n, block_k, warps = 64, 128, 4
+    weights = block_n * block_k // (32 * warps)  # per thread per K step
+    counts = loop_counts(sass("dot", 16, block_n, block_k, warps, 3, True, permute=True))
+    assert counts.get("SHFL.IDX", 0) == 0 and counts["PRMT"] == 2 * weights
+    assert counts.get("FMUL", 0) == 0 and counts["HGMMA.64"] * 64 >= 2 * weights // 4
+    shuffled = loop_counts(sass("dot", 16, block_n, block_k, warps, 3, True))
+    assert shuffled["SHFL.IDX"] == weights and shuffled["FMUL"] == weights
