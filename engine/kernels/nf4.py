@@ -197,34 +197,27 @@ if triton is not None:
     # and from 8-15, bit 3 picks between the two, and two more permutes pair each column's low
     # and high byte, columns (0, 1) and (2, 3) as the two 16-bit halves of a word. The high
     # 16 bits give columns 4-7 the same way. Outputs: columns 0-3 ($0, $1), then 4-7 ($2, $3).
+    def _prmt_half(word: str, col01: str, col23: str) -> str:
+        """PTX for the codes of the four columns whose nibbles are the low 16 bits of `word`,
+        columns (0, 1) into `col01`, (2, 3) into `col23`."""
+        return f"""
+    and.b32 s, {word}, 0x7777;
+    shr.b32 m, {word}, 1;
+    and.b32 m, m, 0x4444;
+    or.b32 m, m, 0x3210;
+    prmt.b32 a, $5, $9, s;
+    prmt.b32 b, $13, $17, s;
+    prmt.b32 lo, a, b, m;
+    prmt.b32 a, $21, $25, s;
+    prmt.b32 b, $29, $33, s;
+    prmt.b32 hi, a, b, m;
+    prmt.b32 {col01}, lo, hi, 0x4051;
+    prmt.b32 {col23}, lo, hi, 0x6273;"""
+
     _PRMT_CODES = tl.constexpr("""
     {
-    .reg .b32 s, m, q, a, b, lo, hi;
-    and.b32 s, $4, 0x7777;
-    shr.b32 m, $4, 1;
-    and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;
-    prmt.b32 a, $5, $9, s;
-    prmt.b32 b, $13, $17, s;
-    prmt.b32 lo, a, b, m;
-    prmt.b32 a, $21, $25, s;
-    prmt.b32 b, $29, $33, s;
-    prmt.b32 hi, a, b, m;
-    prmt.b32 $0, lo, hi, 0x4051;
-    prmt.b32 $1, lo, hi, 0x6273;
-    shr.b32 q, $4, 16;
-    and.b32 s, q, 0x7777;
-    shr.b32 m, q, 1;
-    and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;
-    prmt.b32 a, $5, $9, s;
-    prmt.b32 b, $13, $17, s;
-    prmt.b32 lo, a, b, m;
-    prmt.b32 a, $21, $25, s;
-    prmt.b32 b, $29, $33, s;
-    prmt.b32 hi, a, b, m;
-    prmt.b32 $2, lo, hi, 0x4051;
-    prmt.b32 $3, lo, hi, 0x6273;
+    .reg .b32 s, m, q, a, b, lo, hi;""" + _prmt_half("$4", "$0", "$1") + """
+    shr.b32 q, $4, 16;""" + _prmt_half("q", "$2", "$3") + """
     }
     """)
 

@@ -88,7 +88,7 @@ def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
     plan = nf4_plan.plan_nf4(ws)
     assert set(nf4_plan.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
-    print("plan:", {m: c and (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["shfl"])
+    print("plan:", {m: c and (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["shfl"], c["permute"])
                     for m, c in plan.items()})
     assert all(plan[m] is not None for m in nf4_plan.NF4_CANDIDATES)
     assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES), "the warp-shuffle code lookup agrees on this GPU"
