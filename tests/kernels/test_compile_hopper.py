@@ -2,8 +2,8 @@
 ptxas its wheel ships turn each kernel into a cubin here, so a kernel that the interpreter runs
 but the GPU compiler refuses (inline PTX, layouts, shared memory) fails here first. Each launch
 kind the plans use: one row per program on FMAs (pipelined steps), tiles on tensor cores as
-x W^T and W x^T (mma and wgmma sizes; codes by shuffle, loads or byte permutes), warp-shuffle and load lookups, 16-bit and float32
-activations, split K or not, PDL launches."""
+x W^T and W x^T (mma and wgmma sizes), the codes by warp shuffle, loads or byte permutes, 16-bit
+and float32 activations, split K or not, PDL launches."""
 
 import pytest
 
