@@ -31,7 +31,10 @@ whole groups per step, with Triton's pipeliner keeping the next steps' loads in 
   - tiles of 16 to 64 rows (`_nf4_dot_kernel`): a step's weight tile decoded as bnb decodes it (code x
     absmax, rounded to the compute dtype) in column order, [block_n, block_k], and multiplied on
     tensor cores (`tl.dot`) with a plain [block_m, block_k] tile of x, or (`swap`) as W x^T, the
-    decoded tile the left operand, which suits tiles of few rows.
+    decoded tile the left operand, which suits tiles of few rows. With `permute` a tile's codes
+    are instead looked up by byte permutes on the integer pipe (`_PRMT_CODES`: no shuffle, no
+    memory), rounded to the activations' 16-bit type, and each group is multiplied as codes and
+    scaled by its absmax after its product; faster than the shuffle in tiles of 16 rows;
 `nf4_plan.plan_nf4` times a few launches per row count on a model's own weights and keeps the
 fastest of those that agree with the library's product on the dequantized weight (`launch_for`
 is a fixed rule where there is no plan); from 128 rows it also weighs that library product.
@@ -225,8 +228,9 @@ if triton is not None:
 
     @triton.jit
     def _code_tables(C, X):
-        """The 16 codes rounded to X's element type (16 bits) as the permute lookup's eight table words: the
-        low bytes of codes 4w..4w+3 (w = 0-3), then their high bytes, entry 4w in the lowest byte."""
+        """The 16 codes rounded to X's element type (16 bits) as the permute lookup's eight table
+        words: the low bytes of codes 4w..4w+3 (w = 0-3), then their high bytes, entry 4w in the
+        lowest byte."""
         ci = tl.arange(0, 16)
         bits = tl.load(C + ci).to(X.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32) & 65535
         shift = 8 * (ci % 4)
@@ -241,10 +245,11 @@ if triton is not None:
     @triton.jit
     def _permute_codes(P, C, X, row, nm, kg, k_hi, stride_p, t0, t1, t2, t3, t4, t5, t6, t7,
                        ASM: tl.constexpr, EVEN: tl.constexpr):
-        """A group of 64 columns from kg of weight rows `row` as codes in X's element type (16 bits), two
-        [BLOCK_N, 32] halves: A holds columns 8q + r and B columns 8q + 4 + r at position 4q + r
-        (q 0-7, r 0-3), the order the permute lookup yields them in; zero past k_hi and past the
-        last row. ASM: by byte permutes of the packed bytes (CUDA), else codes loaded per column."""
+        """A group of 64 columns from kg of weight rows `row` as codes in X's element type (16
+        bits), two [BLOCK_N, 32] halves: A holds columns 8q + r and B columns 8q + 4 + r at
+        position 4q + r (q 0-7, r 0-3), the order the permute lookup yields them in; zero past
+        k_hi and past the last row. ASM: by byte permutes of the packed bytes (CUDA), else codes
+        loaded per column."""
         j = tl.arange(0, 32)
         if EVEN:
             ok = nm[:, None]
