@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -55,6 +55,21 @@ case "${2:-}" in
       | tee "$OUT/nf4-kernels-permute.log" | grep -v "^ \{9\}"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py -k kernels_match \
       2>&1 | tee "$OUT/cuda-tests-nf4-permute.log" | grep -v "^\.$" | tail -8 ;;
+  nf4-mma)  # the kernel that decodes the codes into mma.sync fragments: its GPU tests and the NF4
+    # kernels' (planned launches, plans), then its lookups and tiles against the planned launches
+    # (Gemma-3 4B projections at 1, 8 and 16 rows)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "kernels_match or mma or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" | grep -v "^\.$" | tail -14
+    timeout 360 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 16 --sweep mma --out "$OUT" 2>&1 \
+      | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
+  nf4-mma-throughput)  # 4-bit decode with the plans that include the mma launches, Gemma-3 4B and the
+    # MoE shape, then the engine's greedy tokens on NF4 kernels against bitsandbytes
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 2 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "greedy_tokens" 2>&1 | tee "$OUT/cuda-tests-nf4-mma-engine.log" | grep -v "^\.$" | tail -6
+    timeout 200 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers fused \
+      --policies s5 --n 1 8 64 --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-nf4-mma.log" | tail -12
+    timeout 230 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
+      --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-moe-nf4-mma.log" | tail -12 ;;
   nf4-sweep)  # the NF4 products' planned launches against a wider grid, then Nsight Compute's view of
     # the one-row kernel on Gemma-3 4B's gate/up at its planned launch (pipes, stalls, occupancy)
     timeout 330 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 --sweep --out "$OUT" 2>&1 \

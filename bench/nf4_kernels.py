@@ -12,7 +12,9 @@ of its weights (128 MB or more in all) so that, as in a forward, they are not se
 columns, K step, warps, stages, K split for 0-16 programs per SM) and prints the fastest that
 agree with the library's product, beside the planned one. `--sweep permute` times tiles
 (one row as a tile of 16 too) whose codes are looked up by warp shuffle against tiles whose
-codes are looked up by byte permutes (kernels/nf4.py, `permute`).
+codes are looked up by byte permutes (kernels/nf4.py, `permute`). `--sweep mma` times the
+kernel that decodes the codes straight into mma.sync fragments (`mma`: its three code lookups,
+tile shapes, K steps) against the planned launches for the row count.
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ SWEEP_TILES = [(bm, bn, bk, w, 3, sw) for bm in (16, 32, 64) for bn in (32, 64, 
 SWEEP_PERMUTE = [(bm, bn, bk, w, 3, sw, perm) for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256)
                  for w in (4, 8) for sw in (False, True) for perm in (False, True)]
 # the planned launches with each code lookup: one row per program, and tiles of 16 rows
-SWEEP_PERMUTE_PLANNED = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[1] for perm in (False, True)]
-SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if c[5] for perm in (False, True)]
+SWEEP_PERMUTE_PLANNED = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[1] if len(c) == 6 for perm in (False, True)]
+SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if len(c) == 6 and c[5] for perm in (False, True)]
+# the codes decoded into mma.sync fragments (8th field: the lookup, 1 permutes, 2 shuffles, 3 both;
+# 16 rows of x take the permutes), beside the planned launches for the row count
+SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, look) for bm in (8, 16) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4),
+                                                                                   (128, 8))
+             for bk in (128, 256, 512) for look in ((1, 2, 3) if bm == 8 else (1,))]
 SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
-          "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4))}
+          "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4))}
 
 
 def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") -> list[dict]:
@@ -75,6 +82,9 @@ def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") ->
     cands = [c for c in tiles if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
     if m == 1:
         cands = one_row + ([] if one_row else cands)
+    if grid == "mma":
+        planned = nf4_plan.NF4_CANDIDATES[min(r for r in nf4_plan.NF4_CANDIDATES if r >= m)]
+        cands = [c for c in tiles if c[0] == (8 if m <= 8 else 16)] + [c for c in planned if len(c) < 8]
     want = F.linear(x, dense)
     out, seen = [], []
     for cand in cands:
@@ -144,10 +154,14 @@ def main() -> None:
                           f"({ours / best['us']:.2f}x the plan's): {best['launch']}")
                     for r in row["sweep"][1:5]:
                         print(f"         {r['us']:.1f} us: {r['launch']}")
-                    for perm in (False, True):  # the fastest launch of each code lookup
-                        r = next((r for r in row["sweep"] if r["launch"]["permute"] == perm), None)
+                    kinds = {"shuffles": lambda c: not c["permute"] and not c["mma"],
+                             "permutes": lambda c: c["permute"] and not c["mma"],
+                             "mma, permutes": lambda c: c["mma"] == 1, "mma, shuffles": lambda c: c["mma"] == 2,
+                             "mma, half each": lambda c: c["mma"] == 3}
+                    for kind, is_kind in kinds.items():  # the fastest launch of each code lookup
+                        r = next((r for r in row["sweep"] if is_kind(r["launch"])), None)
                         if r:
-                            print(f"    fastest, {'permutes' if perm else 'shuffles'}: {r['us']:.1f} us "
+                            print(f"    fastest, {kind}: {r['us']:.1f} us "
                                   f"({ours / r['us']:.2f}x the plan's): {r['launch']}")
             rows.append(row)
 

@@ -83,6 +83,40 @@ def test_nf4_kernels_match_bitsandbytes_dequantize_and_matmul(dtype):
     print(f"nf4 {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
+    """The kernel that decodes the codes into mma.sync fragments (`mma`: lookups by permutes,
+    shuffles and half each; 8 and 16 rows of x per program; K split or not; PDL), at 1 to 33
+    rows, on Gemma-3 4B projection shapes and an odd one (rows not a multiple of 8, K not a
+    multiple of the K step), against dequantize_4bit + F.linear on the same packed weight. A
+    lane holding another fragment than the kernel assumes gives errors of order one."""
+    pytest.importorskip("bitsandbytes")
+    worst = 0.0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pdl = launch.supported(torch.device("cuda"))
+    for i, (n, k, nested) in enumerate([(4096, 2560, True), (2560, 10240, True), (333, 448, False)]):
+        p = quantized(n, k, dtype, 10 + i, compress_statistics=nested)
+        want_w = bnb_weight(p)
+        w = nf4.from_bnb(p)
+        for m in (1, 3, 8, 11, 16, 19, 33):
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            want = F.linear(x, want_w)
+            launches = []
+            for bm, looks in ((8, (1, 2, 3) if dtype == torch.bfloat16 else (1,)), (16, (1,))):
+                for bn, warps in ((64, 4), (32, 2), (128, 8)):
+                    for bk in (128, 512):
+                        for look in looks:
+                            for per_sm in (0, 4):
+                                launches.append(nf4.with_split((bm, bn, bk, warps, 3, False, False, look), m, n, k, sms,
+                                                               per_sm))
+            launches.append(dict(launches[0], pdl=pdl))
+            for cfg in launches:
+                err = rel(nf4.nf4_matmul(x, w, **cfg), want)
+                assert err < 1.5e-2, (n, k, m, cfg, err)
+                worst = max(worst, err)
+    print(f"nf4 mma {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
+
+
 def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
     pytest.importorskip("bitsandbytes")
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]

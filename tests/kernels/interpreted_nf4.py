@@ -83,7 +83,7 @@ def check_kernels() -> float:
         p = quantized((torch.randn(40, 320) * 0.05).to(dtype))
         w, want_w = nf4.from_bnb(p), bnb_reference(p)
         assert w.dtype == dtype and want_w.dtype == dtype
-        for m in (1, 3, 16):
+        for m in (1, 3, 16, 19):
             x = torch.randn(m, 320).to(dtype)
             want = x.float() @ want_w.float().T
             launches = [dict(block_m=1, block_n=16, block_k=128, split=2),
@@ -92,7 +92,11 @@ def check_kernels() -> float:
                 launches += [dict(block_m=16, block_n=16, block_k=128, split=1),
                              dict(block_m=16, block_n=32, block_k=128, split=2, swap=True),
                              dict(block_m=16, block_n=16, block_k=128, split=1, permute=True),
-                             dict(block_m=16, block_n=32, block_k=64, split=3, swap=True, permute=True)]
+                             dict(block_m=16, block_n=32, block_k=64, split=3, swap=True, permute=True),
+                             # the codes as mma fragments (each fragment's sums computed from loads here)
+                             dict(block_m=8, block_n=16, block_k=128, split=1, warps=1, mma=1),
+                             dict(block_m=16, block_n=64, block_k=64, split=3, warps=4, mma=1),
+                             dict(block_m=8, block_n=32, block_k=256, split=2, warps=2, mma=3)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.dtype == dtype and rel(got, want) < 1e-2, (dtype, m, launch, rel(got, want))

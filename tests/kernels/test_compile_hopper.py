@@ -122,3 +122,67 @@ def test_the_permute_lookup_takes_the_codes_off_the_shuffle_and_memory_pipes():
     assert counts.get("FMUL", 0) == 0 and counts["HGMMA.64"] * 64 >= 2 * weights // 4
     shuffled = loop_counts(sass("dot", 16, block_n, block_k, warps, 3, True))
     assert shuffled["SHFL.IDX"] == weights and shuffled["FMUL"] == weights
+
+
+# (block_m, block_n, block_k, warps, stages, dtype, lookup, partial, even)
+MMA_VARIANTS = [
+    (8, 64, 256, 4, 3, "bf16", 1, False, True),
+    (8, 32, 128, 2, 3, "bf16", 2, True, False),
+    (8, 128, 512, 8, 3, "bf16", 3, False, True),
+    (16, 64, 256, 4, 3, "fp16", 1, True, True),
+    (8, 128, 256, 4, 2, "fp16", 1, False, False),
+]
+
+
+@pytest.mark.parametrize("variant", MMA_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_the_mma_kernel_compiles_for_sm90_in_the_layout_its_fragments_assume(variant):
+    """`_nf4_mma_kernel`'s inline PTX is warp-collective: each lane must hold the packed words
+    of weight rows r and r + 8W (W warps) for quarter t of a group, lane = 4 (r % 8) + t. That is
+    the layout Triton gives the [BLOCK_N, 16] 16-bit loads (sizePerThread [1, 4], threadsPerWarp
+    [8, 4], warps stacked over rows); a Triton that chose another would compute other sums, so
+    the asm's layout is checked here, where the GPU is not needed."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    import re
+
+    from engine.kernels import nf4
+
+    bm, bn, bk, warps, stages, dtype, lookup, partial, even = variant
+    sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
+           "k_per": "i32"}
+    consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, ROWS16=bm == 16, BF16=dtype == "bf16", LOOKUP=lookup - 1,
+                  ASM=True, EVEN=even, STAGES=stages, GDC=True)
+    kernel = _compile(nf4._nf4_mma_kernel, sig, consts, warps, stages,
+                      ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.M))
+    asm_ops = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and "mma.sync" in line]
+    assert asm_ops
+    for line in asm_ops:
+        result = re.search(r"-> tensor<(\d+)x16xf32, (#\w+)>", line)
+        assert result and int(result.group(1)) == bn, line[-200:]
+        layout = layouts[result.group(2)]
+        assert "sizePerThread = [1, 4]" in layout and "threadsPerWarp = [8, 4]" in layout, layout
+        assert f"warpsPerCTA = [{warps}, 1]" in layout and "order = [1, 0]" in layout, layout
+    ptx = kernel.asm["ptx"]
+    ab = "bf16" if dtype == "bf16" else "f16"
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx
+    assert ("shfl.sync.idx.b32" in ptx) == (lookup > 1)
+
+
+def test_the_mma_kernel_decodes_codes_into_fragments_without_shared_memory():
+    """`_nf4_mma_kernel`'s K loop (bench/kernel_sass.py): the codes go from the packed words to
+    the A fragments in registers (no store to shared memory, no ldmatrix), one tensor-core
+    product per 8 weights a lane decodes (16 weight rows x 16 columns a warp), two byte
+    permutes per weight by permutes, one shuffle per weight by shuffles, half each mixed."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from bench.kernel_sass import loop_counts, sass
+
+    block_n, block_k, warps = 64, 256, 4
+    weights = block_n * block_k // (32 * warps)  # per thread per K step
+    for lookup, prmt, shfl in ((1, 2 * weights, 0), (2, 0, weights), (3, weights, weights // 2)):
+        counts = loop_counts(sass("mma", 8, block_n, block_k, warps, 3, False, mma=lookup))
+        assert counts["HMMA.16816"] == weights // 8, counts
+        assert counts.get("PRMT", 0) == prmt and counts.get("SHFL.IDX", 0) == shfl, counts
+        assert not any(op.startswith(("STS", "LDSM")) for op in counts), counts
+        assert sum(counts.values()) <= 5.5 * weights, counts  # 4.1 (Triton 3.6), 5.1 (3.9: moves of the tables)
