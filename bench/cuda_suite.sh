@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -62,6 +62,21 @@ case "${2:-}" in
       -k "kernels_match or mma or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" | grep -v "^\.$" | tail -14
     timeout 360 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 16 --sweep mma --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
+  nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
+    # kernel, stall reasons per issued instruction and pipe utilisation, side by side
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 240 "$NCU" --clock-control none -k regex:'_nf4_(gemv|mma)_kernel' -s 6 -c 2 --section SpeedOfLight \
+      --section Occupancy --section SchedulerStats --section LaunchStats \
+      --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio',regex:'sm__inst_executed_pipe_(alu|fma|fmaheavy|lsu|uniform|tensor).*\.avg\.pct_of_peak_sustained_active',regex:'sm__pipe_(alu|fma|shared|tensor).*cycles_active\.avg\.pct_of_peak_sustained_active' \
+      python3 -c "
+import torch; from engine.kernels import nf4
+w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
+                  torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
+x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
+for _ in range(4):
+    nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
+    nf4.nf4_matmul(x, w, 8, 64, 256, 1, warps=4, stages=3, mma=1)
+torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-mma.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
   nf4-mma-throughput)  # 4-bit decode with the plans that include the mma launches, Gemma-3 4B and the
     # MoE shape, then the engine's greedy tokens on NF4 kernels against bitsandbytes
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 2 -rP -m gpu tests/equivalence/test_cuda_nf4.py \

@@ -14,7 +14,8 @@ agree with the library's product, beside the planned one. `--sweep permute` time
 (one row as a tile of 16 too) whose codes are looked up by warp shuffle against tiles whose
 codes are looked up by byte permutes (kernels/nf4.py, `permute`). `--sweep mma` times the
 kernel that decodes the codes straight into mma.sync fragments (`mma`: its three code lookups,
-tile shapes, K steps) against the planned launches for the row count.
+tile shapes, K steps; `mma-deep`: deeper pipelines, K split for up to 16 programs per SM)
+against the planned launches for the row count.
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if len(c)
 SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, look) for bm in (8, 16) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4),
                                                                                    (128, 8))
              for bk in (128, 256, 512) for look in ((1, 2, 3) if bm == 8 else (1,))]
+# the mma kernel with deeper pipelines and K split for up to 16 programs per SM (more warps in flight)
+SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, look) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
+                  for st in (3, 4, 5) for look in (1, 3)]
 SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
-          "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4))}
+          "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
+          "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
 
 
 def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") -> list[dict]:
@@ -82,7 +87,7 @@ def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") ->
     cands = [c for c in tiles if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
     if m == 1:
         cands = one_row + ([] if one_row else cands)
-    if grid == "mma":
+    if grid.startswith("mma"):
         planned = nf4_plan.NF4_CANDIDATES[min(r for r in nf4_plan.NF4_CANDIDATES if r >= m)]
         cands = [c for c in tiles if c[0] == (8 if m <= 8 else 16)] + [c for c in planned if len(c) < 8]
     want = F.linear(x, dense)
