@@ -151,7 +151,7 @@ def test_the_mma_kernel_compiles_for_sm90_in_the_layout_its_fragments_assume(var
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
            "k_per": "i32"}
     consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, ROWS16=bm == 16, BF16=dtype == "bf16", LOOKUP=lookup - 1,
-                  ASM=True, EVEN=even, STAGES=stages, XREG=False, WARPS=warps, GDC=True)
+                  ASM=True, EVEN=even, STAGES=stages, GDC=True)
     kernel = _compile(nf4._nf4_mma_kernel, sig, consts, warps, stages,
                       ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
     ttgir = kernel.asm["ttgir"]
