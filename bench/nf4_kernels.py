@@ -70,13 +70,9 @@ SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, look) for bm in (8, 16) for bn, w 
 # the mma kernel with deeper pipelines and K split for up to 16 programs per SM (more warps in flight)
 SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, look) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
                   for st in (3, 4, 5) for look in (1, 3)]
-# x's words loaded by the kernel (through the pipeliner) as operands of the fragments' PTX (mma 5:
-# permutes, 7: half each) against x read inside the PTX (mma 1, 3)
-SWEEP_MMA_XREG = [(8, bn, bk, w, 3, False, False, look) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
-                  for look in (1, 3, 5, 7)]
 SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
           "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
-          "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16)), "mma-xreg": ([], SWEEP_MMA_XREG, (0, 2, 4, 8))}
+          "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
 
 
 def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") -> list[dict]:
@@ -166,9 +162,7 @@ def main() -> None:
                     kinds = {"shuffles": lambda c: not c["permute"] and not c["mma"],
                              "permutes": lambda c: c["permute"] and not c["mma"],
                              "mma, permutes": lambda c: c["mma"] == 1, "mma, shuffles": lambda c: c["mma"] == 2,
-                             "mma, half each": lambda c: c["mma"] == 3,
-                             "mma, x as operands, permutes": lambda c: c["mma"] == 5,
-                             "mma, x as operands, half each": lambda c: c["mma"] == 7}
+                             "mma, half each": lambda c: c["mma"] == 3}
                     for kind, is_kind in kinds.items():  # the fastest launch of each code lookup
                         r = next((r for r in row["sweep"] if is_kind(r["launch"])), None)
                         if r:

@@ -278,7 +278,7 @@ if triton is not None:
     prmt.b32 {col01}, lo, hi, 0x4051;
     prmt.b32 {col23}, lo, hi, 0x6273;"""
 
-    def _mma_group(ab: str, rows16: bool, lookup: int, xreg: bool = False) -> str:
+    def _mma_group(ab: str, rows16: bool, lookup: int) -> str:
         cvt = "bf16x2" if ab == "bf16" else "f16x2"
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
         lines = ["""
@@ -290,14 +290,7 @@ if triton is not None:
     mov.f32 fz, 0f00000000;
     ld.global.nc.v4.b32 {x0, x1, x2, x3}, [$12];
     ld.global.nc.v4.b32 {x4, x5, x6, x7}, [$12+16];"""]
-        if xreg:  # x's words are operands $12-$19 (and $20-$27), loaded by the kernel
-            lines[0] = lines[0][:lines[0].index("    ld.global")]
-            lines += [f"""
-    mov.b32 x{i}, ${12 + i};""" for i in range(8)]
-            if rows16:
-                lines += [f"""
-    mov.b32 y{i}, ${20 + i};""" for i in range(8)]
-        elif rows16:
+        if rows16:
             lines.append("""
     ld.global.nc.v4.b32 {y0, y1, y2, y3}, [$20];
     ld.global.nc.v4.b32 {y4, y5, y6, y7}, [$20+16];""")
@@ -350,9 +343,6 @@ if triton is not None:
     _MMA_BF16_SHFL = tl.constexpr(_mma_group("bf16", False, 1))
     _MMA_BF16_MIXED = tl.constexpr(_mma_group("bf16", False, 2))
     _MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 4 + ["l"] * 24 + ["r"] * 64))
-    _MMA_BF16_XREG = tl.constexpr(_mma_group("bf16", False, 0, True))
-    _MMA_BF16_MIXED_XREG = tl.constexpr(_mma_group("bf16", False, 2, True))
-    _MMA_CONSTRAINTS_XREG = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 20 + ["l"] * 8 + ["r"] * 64))
 
     _PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r," + ",".join(["r"] * 32))
 
@@ -592,16 +582,8 @@ if triton is not None:
                                           z + t7], dtype=tl.float32, is_pure=True, pack=8)
 
     @triton.jit
-    def _mma_asm_xreg(ASM: tl.constexpr, w, xw, yw, C, t0, t1, t2, t3, t4, t5, t6, t7):
-        z = tl.zeros(w.shape, tl.int32)
-        return tl.inline_asm_elementwise(ASM, _MMA_CONSTRAINTS_XREG,
-                                         [w, xw, yw, C + z, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6,
-                                          z + t7], dtype=tl.float32, is_pure=True, pack=8)
-
-    @triton.jit
     def _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5, t6, t7,
-                  ROWS16: tl.constexpr, BF16: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr,
-                  XREG: tl.constexpr, WARPS: tl.constexpr):
+                  ROWS16: tl.constexpr, BF16: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr):
         """One group's products [BLOCK_N, 16]: element (r, 4t + j) is weight row r against x's
         row out_x (r, 4t + j) over the 64 columns from kg (see _mma_group; x_row: the row of x
         whose B fragment lane r loads, x_hi for x rows 8-15 of the fragment). ASM:
@@ -610,15 +592,7 @@ if triton is not None:
         i = tl.arange(0, 16)[None, :]
         kx = tl.minimum(kg, K - 64)  # a group past this slice reads a valid one; its absmax is zero
         w = tl.load(P16 + row[:, None] * stride_p16 + (kx // 4 + 4 * (i // 4) + i % 4), mask=k_ok, other=0)
-        if ASM and XREG:  # x's words loaded here: lane slot s's element j is word 4s + j of its 16 columns
-            slot = (tl.arange(0, w.shape[0]) // (8 * WARPS) % 2)[:, None]
-            X32 = X.to(tl.pointer_type(tl.int32))
-            xw = tl.load(X32 + x_row[:, None] * (stride_xm // 2) + (kx // 2 + 8 * (i // 4) + i % 4 + 4 * slot))
-            if LOOKUP == 2:
-                return _mma_asm_xreg(_MMA_BF16_MIXED_XREG, w, xw, xw, C, t0, t1, t2, t3, t4, t5, t6, t7)
-            else:
-                return _mma_asm_xreg(_MMA_BF16_XREG, w, xw, xw, C, t0, t1, t2, t3, t4, t5, t6, t7)
-        elif ASM:
+        if ASM:
             xa = X + x_row[:, None] * stride_xm + (kx + 16 * (i // 4))
             xb = X + x_hi[:, None] * stride_xm + (kx + 16 * (i // 4))
             if BF16:
@@ -646,8 +620,7 @@ if triton is not None:
     def _nf4_mma_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, ROWS16: tl.constexpr,
                         BF16: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        STAGES: tl.constexpr, XREG: tl.constexpr = False, WARPS: tl.constexpr = 4,
-                        GDC: tl.constexpr = False):
+                        STAGES: tl.constexpr, GDC: tl.constexpr = False):
         """Up to 16 rows of x per program (pid 2; 8 without ROWS16) against BLOCK_N weight rows
         over a K slice, one mma.sync per 16 columns and 16 weight rows with the codes as the A
         operand and x as the B operand (_mma_group), each group's four products scaled by its
@@ -686,7 +659,7 @@ if triton is not None:
                     k_ok = (row[:, None] * 0 + kg) < k_hi
                     s = tl.load(S + row * stride_s + kg // 64, mask=(row * 0 + kg) < k_hi, other=0.0)
                 part = _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5,
-                                 t6, t7, ROWS16, BF16, LOOKUP, ASM, XREG, WARPS)
+                                 t6, t7, ROWS16, BF16, LOOKUP, ASM)
                 acc += part * s[:, None]
         out = Y + (pid_k * M + out_m).to(tl.int64) * N + rn[:, None]
         ok = (out_m < M) & (rn[:, None] < N)
@@ -762,8 +735,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     n = w.shape[0]
     if (permute or mma) and (block_m == 1 or x.element_size() != 2):
         raise ValueError("the permute lookup and mma fragments take tiles (block_m from 8) of 16-bit activations")
-    if mma and (block_m not in (8, 16) or block_n % (16 * warps) or mma not in (1, 2, 3, 5, 7)
-                or (block_m == 16 and mma != 1) or (mma > 4 and x.dtype != torch.bfloat16)):
+    if mma and (block_m not in (8, 16) or block_n % (16 * warps) or mma not in (1, 2, 3)
+                or (block_m == 16 and mma != 1)):
         raise ValueError("mma fragments take block_m 8 or 16 (16: lookup 1), block_n a multiple of 16 rows per "
                          "warp, lookup 1-3")
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or (1 < block_m < 16 and not mma):
@@ -781,8 +754,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_mma_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, ROWS16=block_m == 16, BF16=x.dtype == torch.bfloat16,
-            LOOKUP=(mma - 1) % 4, ASM=x.is_cuda, EVEN=even, STAGES=stages, XREG=mma > 4, WARPS=warps,
-            num_warps=warps,
+            LOOKUP=mma - 1, ASM=x.is_cuda, EVEN=even, STAGES=stages, num_warps=warps,
             **args)
     elif block_m == 1:
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
