@@ -77,14 +77,16 @@ for _ in range(4):
     nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
     nf4.nf4_matmul(x, w, 8, 64, 256, 1, warps=4, stages=3, mma=1)
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-mma.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
-  nf4-mma-throughput)  # 4-bit decode with the plans that include the mma launches, Gemma-3 4B and the
-    # MoE shape, then the engine's greedy tokens on NF4 kernels against bitsandbytes
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 2 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-      -k "greedy_tokens" 2>&1 | tee "$OUT/cuda-tests-nf4-mma-engine.log" | grep -v "^\.$" | tail -6
-    timeout 200 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers fused \
-      --policies s5 --n 1 8 64 --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-nf4-mma.log" | tail -12
-    timeout 230 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
-      --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-moe-nf4-mma.log" | tail -12 ;;
+  nf4-mma-throughput)  # the mma kernel's and the NF4 plans' GPU tests, the engine's greedy tokens on NF4
+    # kernels against bitsandbytes, then 4-bit decode on plans that include the mma launches:
+    # Gemma-3 4B at 1 and 8 rows and the MoE shape at 1 and 8
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "mma or kernels_match or plans or greedy_tokens" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" \
+      | grep -v "^\.$" | tail -16
+    timeout 150 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers fused \
+      --policies s5 --n 1 8 --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-nf4-mma.log" | tail -6
+    timeout 220 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
+      --policies s5 --no-quality --out "$OUT" --tag nf4-mma 2>&1 | tee "$OUT/throughput-moe-nf4-mma.log" | tail -6 ;;
   nf4-sweep)  # the NF4 products' planned launches against a wider grid, then Nsight Compute's view of
     # the one-row kernel on Gemma-3 4B's gate/up at its planned launch (pipes, stalls, occupancy)
     timeout 330 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 --sweep --out "$OUT" 2>&1 \

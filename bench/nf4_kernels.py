@@ -13,9 +13,9 @@ columns, K step, warps, stages, K split for 0-16 programs per SM) and prints the
 agree with the library's product, beside the planned one. `--sweep permute` times tiles
 (one row as a tile of 16 too) whose codes are looked up by warp shuffle against tiles whose
 codes are looked up by byte permutes (kernels/nf4.py, `permute`). `--sweep mma` times the
-kernel that decodes the codes straight into mma.sync fragments (`mma`: its three code lookups,
-tile shapes, K steps; `mma-deep`: deeper pipelines, K split for up to 16 programs per SM)
-against the planned launches for the row count.
+kernel that decodes the codes straight into mma.sync fragments (`mma`: tile shapes, K steps;
+`mma-deep`: deeper pipelines, K split for up to 16 programs per SM) against the planned
+launches for the row count.
 """
 
 from __future__ import annotations
@@ -62,14 +62,12 @@ SWEEP_PERMUTE = [(bm, bn, bk, w, 3, sw, perm) for bm in (16, 32, 64) for bn in (
 # the planned launches with each code lookup: one row per program, and tiles of 16 rows
 SWEEP_PERMUTE_PLANNED = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[1] if len(c) == 6 for perm in (False, True)]
 SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if len(c) == 6 and c[5] for perm in (False, True)]
-# the codes decoded into mma.sync fragments (8th field: the lookup, 1 permutes, 2 shuffles, 3 both;
-# 16 rows of x take the permutes), beside the planned launches for the row count
-SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, look) for bm in (8, 16) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4),
-                                                                                   (128, 8))
-             for bk in (128, 256, 512) for look in ((1, 2, 3) if bm == 8 else (1,))]
-# the mma kernel with deeper pipelines and K split for up to 16 programs per SM (more warps in flight)
-SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, look) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
-                  for st in (3, 4, 5) for look in (1, 3)]
+# the codes decoded into mma.sync fragments (8th field), 8 or 16 rows of x, beside the planned
+# launches for the row count; `mma-deep`: deeper pipelines, K split for up to 16 programs per SM
+SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, True) for bm in (8, 16) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4),
+                                                                                  (128, 8)) for bk in (128, 256, 512)]
+SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, True) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
+                  for st in (3, 4, 5)]
 SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
           "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
           "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
@@ -161,8 +159,7 @@ def main() -> None:
                         print(f"         {r['us']:.1f} us: {r['launch']}")
                     kinds = {"shuffles": lambda c: not c["permute"] and not c["mma"],
                              "permutes": lambda c: c["permute"] and not c["mma"],
-                             "mma, permutes": lambda c: c["mma"] == 1, "mma, shuffles": lambda c: c["mma"] == 2,
-                             "mma, half each": lambda c: c["mma"] == 3}
+                             "mma fragments": lambda c: c["mma"]}
                     for kind, is_kind in kinds.items():  # the fastest launch of each code lookup
                         r = next((r for r in row["sweep"] if is_kind(r["launch"])), None)
                         if r:

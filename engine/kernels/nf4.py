@@ -229,31 +229,16 @@ if triton is not None:
     # One lane's part of a group of 64 columns of two weight rows as four mma.sync.m16n8k16
     # products, the weight's codes the A operand (rows: 16 weight rows, two per lane) and x the B
     # operand (columns: 8 rows of x), so the codes go from the packed bytes to the A fragments in
-    # registers, never through shared memory or a layout conversion. A lane (row r of an 8-row
-    # block, quarter t of the group) holds the packed bytes of weight rows r and r + 8W (W: the
-    # warps), columns 16t..16t+15 of the group, as four 16-bit words each ($8, $9: row r, word 2i
-    # in the low half of operand i; $10, $11: row r + 8W). Word j's nibbles (columns 16t + 4j +
-    # 0..3) are the fragment's k slots 2t, 2t+1, 2t+8, 2t+9 of product j, and the B fragment is x
-    # at the same columns, of x's row r % 8 ($12: 16 bytes per two products; $20: row r % 8 + 8).
-    # Products chain in accumulators: row r against x rows 2t, 2t+1 into $0, $1, row r + 8W into
-    # $4, $5; against x rows 8 + 2t, 8 + 2t + 1 (rows16) into $2, $3, $6, $7, else those are zero.
-    # LOOKUP: 0 byte permutes (integer pipe), 1 warp shuffles of code[lane % 16] ($28: the table),
-    # 2 row r by permutes and row r + 8W by shuffles.
-    def _shfl_word(word: str, col01: str, col23: str, shift: int) -> str:
-        """PTX for the codes of the four columns whose nibbles are bits shift..shift+15 of
-        `word`, by warp shuffle of `code` (each lane's code[lane % 16], float32), rounded to the
-        activations' 16-bit type in pairs."""
-        parts = []
-        for col, s in (("c1", shift), ("c0", shift + 4), ("c3", shift + 8), ("c2", shift + 12)):
-            if s:
-                parts.append(f"shr.b32 t, {word}, {s};\n    shfl.sync.idx.b32 {col}, code, t, 0x1f, 0xffffffff;")
-            else:
-                parts.append(f"shfl.sync.idx.b32 {col}, code, {word}, 0x1f, 0xffffffff;")
-        return "\n    " + "\n    ".join(parts) + f"""
-    cvt.rn.CVT.f32 {col01}, c1, c0;
-    cvt.rn.CVT.f32 {col23}, c3, c2;"""
-
-    _MMA_TABLE = 36  # the first table operand; each table tensor is 8 operands (pack)
+    # registers, looked up by byte permutes, never through shared memory or a layout conversion.
+    # A lane (row r of an 8-row block, quarter t of the group) holds the packed bytes of weight
+    # rows r and r + 8W (W: the warps), columns 16t..16t+15 of the group, as four 16-bit words
+    # each ($8, $9: row r, word 2i in the low half of operand i; $10, $11: row r + 8W). Word j's
+    # nibbles (columns 16t + 4j + 0..3) are the fragment's k slots 2t, 2t+1, 2t+8, 2t+9 of
+    # product j, and the B fragment is x at the same columns, of x's row r % 8 ($12: 16 bytes per
+    # two products; $20: row r % 8 + 8). Products chain in accumulators: row r against x rows 2t,
+    # 2t+1 into $0, $1, row r + 8W into $4, $5; against x rows 8 + 2t, 8 + 2t + 1 (rows16) into
+    # $2, $3, $6, $7, else those are zero.
+    _MMA_TABLE = 28  # the first table operand; each table tensor is 8 operands (pack)
 
     def _prmt_selectors(reg: str, s: str, m: str) -> str:
         """PTX for the permute lookup's selectors of both 16-bit words of `reg` at once: `s` the
@@ -278,14 +263,12 @@ if triton is not None:
     prmt.b32 {col01}, lo, hi, 0x4051;
     prmt.b32 {col23}, lo, hi, 0x6273;"""
 
-    def _mma_group(ab: str, rows16: bool, lookup: int) -> str:
-        cvt = "bf16x2" if ab == "bf16" else "f16x2"
+    def _mma_group(ab: str, rows16: bool) -> str:
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
         lines = ["""
     {
-    .reg .b32 s0, m0, s1, m1, s, m, a, b, lo, hi, a0, a1, a2, a3, t, c0, c1, c2, c3, code, lane;
+    .reg .b32 s0, m0, s1, m1, s, m, a, b, lo, hi, a0, a1, a2, a3;
     .reg .b32 x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7;
-    .reg .b64 addr;
     .reg .f32 fz, d0, d1, d2, d3, e0, e1, e2, e3;
     mov.f32 fz, 0f00000000;
     ld.global.nc.v4.b32 {x0, x1, x2, x3}, [$12];
@@ -294,18 +277,9 @@ if triton is not None:
             lines.append("""
     ld.global.nc.v4.b32 {y0, y1, y2, y3}, [$20];
     ld.global.nc.v4.b32 {y4, y5, y6, y7}, [$20+16];""")
-        if lookup:
-            lines.append("""
-    mov.u32 lane, %laneid;
-    and.b32 lane, lane, 15;
-    mad.wide.u32 addr, lane, 4, $28;
-    ld.global.nc.b32 code, [addr];""")
         for j in range(4):
             for slot, (col01, col23) in enumerate((("a0", "a2"), ("a1", "a3"))):
                 reg = f"${8 + 2 * slot + j // 2}"
-                if lookup == 1 or (lookup == 2 and slot == 1):
-                    lines.append(_shfl_word(reg, col01, col23, 16 * (j % 2)).replace("CVT", cvt))
-                    continue
                 s, m = f"s{slot}", f"m{slot}"
                 if j % 2 == 0:
                     lines.append(_prmt_selectors(reg, s, m))
@@ -336,13 +310,11 @@ if triton is not None:
     """)
         return "".join(lines)
 
-    _MMA_BF16 = tl.constexpr(_mma_group("bf16", False, 0))
-    _MMA_BF16_ROWS16 = tl.constexpr(_mma_group("bf16", True, 0))
-    _MMA_F16 = tl.constexpr(_mma_group("f16", False, 0))
-    _MMA_F16_ROWS16 = tl.constexpr(_mma_group("f16", True, 0))
-    _MMA_BF16_SHFL = tl.constexpr(_mma_group("bf16", False, 1))
-    _MMA_BF16_MIXED = tl.constexpr(_mma_group("bf16", False, 2))
-    _MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 4 + ["l"] * 24 + ["r"] * 64))
+    _MMA_BF16 = tl.constexpr(_mma_group("bf16", False))
+    _MMA_BF16_ROWS16 = tl.constexpr(_mma_group("bf16", True))
+    _MMA_F16 = tl.constexpr(_mma_group("f16", False))
+    _MMA_F16_ROWS16 = tl.constexpr(_mma_group("f16", True))
+    _MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 4 + ["l"] * 16 + ["r"] * 64))
 
     _PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r," + ",".join(["r"] * 32))
 
@@ -575,15 +547,15 @@ if triton is not None:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _mma_asm(ASM: tl.constexpr, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7):
+    def _mma_asm(ASM: tl.constexpr, w, xa, xb, t0, t1, t2, t3, t4, t5, t6, t7):
         z = tl.zeros(w.shape, tl.int32)
         return tl.inline_asm_elementwise(ASM, _MMA_CONSTRAINTS,
-                                         [w, xa, xb, C + z, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6,
-                                          z + t7], dtype=tl.float32, is_pure=True, pack=8)
+                                         [w, xa, xb, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6, z + t7],
+                                         dtype=tl.float32, is_pure=True, pack=8)
 
     @triton.jit
     def _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5, t6, t7,
-                  ROWS16: tl.constexpr, BF16: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr):
+                  ROWS16: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
         """One group's products [BLOCK_N, 16]: element (r, 4t + j) is weight row r against x's
         row out_x (r, 4t + j) over the 64 columns from kg (see _mma_group; x_row: the row of x
         whose B fragment lane r loads, x_hi for x rows 8-15 of the fragment). ASM:
@@ -597,17 +569,13 @@ if triton is not None:
             xb = X + x_hi[:, None] * stride_xm + (kx + 16 * (i // 4))
             if BF16:
                 if ROWS16:
-                    return _mma_asm(_MMA_BF16_ROWS16, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
-                elif LOOKUP == 1:
-                    return _mma_asm(_MMA_BF16_SHFL, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
-                elif LOOKUP == 2:
-                    return _mma_asm(_MMA_BF16_MIXED, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
+                    return _mma_asm(_MMA_BF16_ROWS16, w, xa, xb, t0, t1, t2, t3, t4, t5, t6, t7)
                 else:
-                    return _mma_asm(_MMA_BF16, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
+                    return _mma_asm(_MMA_BF16, w, xa, xb, t0, t1, t2, t3, t4, t5, t6, t7)
             elif ROWS16:
-                return _mma_asm(_MMA_F16_ROWS16, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
+                return _mma_asm(_MMA_F16_ROWS16, w, xa, xb, t0, t1, t2, t3, t4, t5, t6, t7)
             else:
-                return _mma_asm(_MMA_F16, w, xa, xb, C, t0, t1, t2, t3, t4, t5, t6, t7)
+                return _mma_asm(_MMA_F16, w, xa, xb, t0, t1, t2, t3, t4, t5, t6, t7)
         else:
             kk = tl.arange(0, 64)[None, None, :]
             byte = tl.load(P16.to(tl.pointer_type(tl.uint8)) + row[:, None, None] * (2 * stride_p16) + (kx + kk) // 2)
@@ -619,7 +587,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
     def _nf4_mma_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, ROWS16: tl.constexpr,
-                        BF16: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                        BF16: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                         STAGES: tl.constexpr, GDC: tl.constexpr = False):
         """Up to 16 rows of x per program (pid 2; 8 without ROWS16) against BLOCK_N weight rows
         over a K slice, one mma.sync per 16 columns and 16 weight rows with the codes as the A
@@ -659,7 +627,7 @@ if triton is not None:
                     k_ok = (row[:, None] * 0 + kg) < k_hi
                     s = tl.load(S + row * stride_s + kg // 64, mask=(row * 0 + kg) < k_hi, other=0.0)
                 part = _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5,
-                                 t6, t7, ROWS16, BF16, LOOKUP, ASM)
+                                 t6, t7, ROWS16, BF16, ASM)
                 acc += part * s[:, None]
         out = Y + (pid_k * M + out_m).to(tl.int64) * N + rn[:, None]
         ok = (out_m < M) & (rn[:, None] < N)
@@ -717,16 +685,16 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
                warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False, permute: bool = False,
-               mma: int = 0, pdl: bool = False) -> torch.Tensor:
+               mma: bool = False, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
     `block_m` 1, one row of x per program on FMAs (`_nf4_gemv_kernel`), else tiles of `block_m`
     rows on tensor cores (`_nf4_dot_kernel`, `swap`: as W x^T); `block_n` weight rows per program,
     K in `split` slices (1: no partials) of `block_k` steps, `stages` of them in flight; `shfl`:
     the code lookup by warp shuffle (CUDA only), else by loads; `permute` (tiles, 16-bit x): the
     codes in x's dtype by byte permutes (CUDA; loads elsewhere), each group's product scaled by
-    its absmax after it; `mma` (16-bit x, `block_m` 8 or 16): `_nf4_mma_kernel`, the codes as
-    mma.sync fragments in registers, looked up by byte permutes (1), warp shuffles (2, 8 rows)
-    or half each (3, 8 rows); `shfl`, `swap` and `permute` do not apply."""
+    its absmax after it; `mma` (16-bit x, `block_m` 8 or 16): `_nf4_mma_kernel`, the codes
+    looked up by byte permutes into mma.sync fragments in registers (`shfl`, `swap` and `permute`
+    do not apply)."""
     _check(x, w)
     align = 16 if mma else 4  # mma: x read in 16-byte vectors; else whole (even, odd) pairs
     if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % align or x.data_ptr() % align:
@@ -735,10 +703,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
     n = w.shape[0]
     if (permute or mma) and (block_m == 1 or x.element_size() != 2):
         raise ValueError("the permute lookup and mma fragments take tiles (block_m from 8) of 16-bit activations")
-    if mma and (block_m not in (8, 16) or block_n % (16 * warps) or mma not in (1, 2, 3)
-                or (block_m == 16 and mma != 1)):
-        raise ValueError("mma fragments take block_m 8 or 16 (16: lookup 1), block_n a multiple of 16 rows per "
-                         "warp, lookup 1-3")
+    if mma and (block_m not in (8, 16) or block_n % (16 * warps)):
+        raise ValueError("mma fragments take block_m 8 or 16 and block_n a multiple of 16 rows per warp")
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or (1 < block_m < 16 and not mma):
         raise ValueError("block_k must be a multiple of 64, block_n a power of two, block_m 1 or a power of "
                          "two from 16")
@@ -754,7 +720,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_mma_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, ROWS16=block_m == 16, BF16=x.dtype == torch.bfloat16,
-            LOOKUP=mma - 1, ASM=x.is_cuda, EVEN=even, STAGES=stages, num_warps=warps,
+            ASM=x.is_cuda, EVEN=even, STAGES=stages, num_warps=warps,
             **args)
     elif block_m == 1:
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
@@ -814,12 +780,12 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
 
 
 def with_split(cand: tuple, m: int, n: int, k: int, sms: int, per_sm: int = 2, shfl: bool = False) -> dict:
-    """`cand` (block_m, block_n, block_k, warps, stages, swap[, permute[, mma lookup]]) as
+    """`cand` (block_m, block_n, block_k, warps, stages, swap[, permute[, mma]]) as
     `nf4_matmul`'s launch, K split in two until there are `per_sm` programs per SM (or a slice
     would be under two K blocks; `per_sm` 0: no split)."""
     block_m, block_n, block_k, warps, stages, swap, *rest = cand
     permute = bool(rest and rest[0])
-    mma = int(rest[1]) if len(rest) > 1 else 0
+    mma = bool(len(rest) > 1 and rest[1])
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while programs * split < per_sm * sms and split * 2 * block_k <= k:

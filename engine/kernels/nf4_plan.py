@@ -13,15 +13,17 @@ from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_fo
 # permute[, mma]]): one row of x per program on FMAs (block_m 1), tiles of 16 to 64 rows on
 # tensor cores (swap: as W x^T; permute: the codes looked up by byte permutes, faster than the
 # shuffle in tiles of 16 rows, slower in tiles of 64 and in the one-row kernel), or up to 8 or 16
-# rows with the codes decoded into mma.sync fragments (mma: the lookup, 1 byte permutes, 3 half
-# by shuffles). Each is tried without a K split and with K split for about 2 and about 4
-# programs per SM (`with_split`; the split is a launch argument, so all share one compiled
-# kernel). Each set holds the launches that were fastest for some Gemma-3 4B projection at that
-# row count on an H200, out of a wider sweep of tile shapes, warps and stages.
-_MMA8 = ((8, 64, 256, 4, 3, False, False, 1), (8, 64, 256, 4, 3, False, False, 3))
+# rows with the codes decoded into mma.sync fragments (mma: fastest at 2 to 16 rows on most
+# projections, slower than the one-row kernel at one). Each is tried without a K split and with
+# K split for about 2 and about 4 programs per SM (`with_split`; the split is a launch argument,
+# so all share one compiled kernel). Each set holds the launches that were fastest for some
+# Gemma-3 4B projection at that row count on an H200, out of a wider sweep of tile shapes, warps
+# and stages.
+_MMA8 = ((8, 32, 128, 2, 3, False, False, True), (8, 32, 256, 2, 3, False, False, True),
+         (8, 64, 256, 4, 3, False, False, True))
 NF4_CANDIDATES = {
     1: ((1, 16, 512, 4, 3, False), (1, 8, 512, 4, 3, False), (1, 32, 256, 4, 3, False), (1, 32, 512, 8, 3, False),
-        (1, 16, 512, 4, 2, False)) + _MMA8,
+        (1, 16, 512, 4, 2, False)),
     2: ((1, 32, 256, 4, 3, False), (1, 16, 512, 4, 3, False), (16, 64, 128, 4, 3, True),
         (16, 64, 256, 4, 3, True), (16, 64, 128, 4, 3, True, True)) + _MMA8,
     4: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 256, 4, 3, False),
@@ -29,7 +31,8 @@ NF4_CANDIDATES = {
     8: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 128, 4, 3, False),
         (16, 64, 128, 4, 3, True, True)) + _MMA8,
     16: ((16, 64, 128, 4, 3, True), (16, 64, 256, 4, 3, True), (16, 32, 256, 4, 3, False),
-         (16, 64, 128, 4, 3, True, True), (16, 64, 256, 4, 3, False, False, 1)),
+         (16, 64, 128, 4, 3, True, True), (16, 32, 128, 2, 3, False, False, True),
+         (16, 32, 256, 2, 3, False, False, True), (16, 64, 256, 2, 3, False, False, True)),
     32: ((32, 64, 128, 4, 3, True), (32, 64, 256, 4, 3, True), (32, 32, 256, 4, 3, False)),
     64: ((64, 64, 128, 4, 3, True), (64, 64, 128, 4, 2, False), (64, 32, 128, 4, 3, False),
          (64, 32, 256, 4, 3, False)),

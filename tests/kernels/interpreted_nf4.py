@@ -94,9 +94,9 @@ def check_kernels() -> float:
                              dict(block_m=16, block_n=16, block_k=128, split=1, permute=True),
                              dict(block_m=16, block_n=32, block_k=64, split=3, swap=True, permute=True),
                              # the codes as mma fragments (each fragment's sums computed from loads here)
-                             dict(block_m=8, block_n=16, block_k=128, split=1, warps=1, mma=1),
-                             dict(block_m=16, block_n=64, block_k=64, split=3, warps=4, mma=1),
-                             dict(block_m=8, block_n=32, block_k=256, split=2, warps=2, mma=3)]
+                             dict(block_m=8, block_n=16, block_k=128, split=1, warps=1, mma=True),
+                             dict(block_m=16, block_n=64, block_k=64, split=3, warps=4, mma=True),
+                             dict(block_m=8, block_n=32, block_k=256, split=2, warps=2, mma=True)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.dtype == dtype and rel(got, want) < 1e-2, (dtype, m, launch, rel(got, want))

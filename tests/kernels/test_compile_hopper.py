@@ -124,13 +124,14 @@ def test_the_permute_lookup_takes_the_codes_off_the_shuffle_and_memory_pipes():
     assert shuffled["SHFL.IDX"] == weights and shuffled["FMUL"] == weights
 
 
-# (block_m, block_n, block_k, warps, stages, dtype, lookup, partial, even)
+# (block_m, block_n, block_k, warps, stages, dtype, partial, even)
 MMA_VARIANTS = [
-    (8, 64, 256, 4, 3, "bf16", 1, False, True),
-    (8, 32, 128, 2, 3, "bf16", 2, True, False),
-    (8, 128, 512, 8, 3, "bf16", 3, False, True),
-    (16, 64, 256, 4, 3, "fp16", 1, True, True),
-    (8, 128, 256, 4, 2, "fp16", 1, False, False),
+    (8, 64, 256, 4, 3, "bf16", False, True),
+    (8, 32, 128, 2, 3, "bf16", True, False),
+    (8, 128, 512, 8, 3, "bf16", False, True),
+    (16, 64, 256, 4, 3, "fp16", True, True),
+    (16, 64, 256, 2, 3, "bf16", False, True),
+    (8, 128, 256, 4, 2, "fp16", False, False),
 ]
 
 
@@ -146,12 +147,12 @@ def test_the_mma_kernel_compiles_for_sm90_in_the_layout_its_fragments_assume(var
 
     from engine.kernels import nf4
 
-    bm, bn, bk, warps, stages, dtype, lookup, partial, even = variant
+    bm, bn, bk, warps, stages, dtype, partial, even = variant
     sig = {"X": f"*{dtype}", "P": "*u8", "S": "*fp32", "C": "*fp32", "Y": "*fp32" if partial else f"*{dtype}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_p": "i32", "stride_s": "i32",
            "k_per": "i32"}
-    consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, ROWS16=bm == 16, BF16=dtype == "bf16", LOOKUP=lookup - 1,
-                  ASM=True, EVEN=even, STAGES=stages, GDC=True)
+    consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, ROWS16=bm == 16, BF16=dtype == "bf16", ASM=True,
+                  EVEN=even, STAGES=stages, GDC=True)
     kernel = _compile(nf4._nf4_mma_kernel, sig, consts, warps, stages,
                       ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "stride_s", "k_per"))
     ttgir = kernel.asm["ttgir"]
@@ -166,23 +167,21 @@ def test_the_mma_kernel_compiles_for_sm90_in_the_layout_its_fragments_assume(var
         assert f"warpsPerCTA = [{warps}, 1]" in layout and "order = [1, 0]" in layout, layout
     ptx = kernel.asm["ptx"]
     ab = "bf16" if dtype == "bf16" else "f16"
-    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx
-    assert ("shfl.sync.idx.b32" in ptx) == (lookup > 1)
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx and "shfl.sync.idx" not in ptx
 
 
 def test_the_mma_kernel_decodes_codes_into_fragments_without_shared_memory():
     """`_nf4_mma_kernel`'s K loop (bench/kernel_sass.py): the codes go from the packed words to
-    the A fragments in registers (no store to shared memory, no ldmatrix), one tensor-core
-    product per 8 weights a lane decodes (16 weight rows x 16 columns a warp), two byte
-    permutes per weight by permutes, one shuffle per weight by shuffles, half each mixed."""
+    the A fragments in registers (no store to shared memory, no ldmatrix, no shuffle), one
+    tensor-core product per 8 weights a lane decodes (16 weight rows x 16 columns a warp), two
+    byte permutes per weight."""
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     from bench.kernel_sass import loop_counts, sass
 
     block_n, block_k, warps = 64, 256, 4
     weights = block_n * block_k // (32 * warps)  # per thread per K step
-    for lookup, prmt, shfl in ((1, 2 * weights, 0), (2, 0, weights), (3, weights, weights // 2)):
-        counts = loop_counts(sass("mma", 8, block_n, block_k, warps, 3, False, mma=lookup))
-        assert counts["HMMA.16816"] == weights // 8, counts
-        assert counts.get("PRMT", 0) == prmt and counts.get("SHFL.IDX", 0) == shfl, counts
-        assert not any(op.startswith(("STS", "LDSM")) for op in counts), counts
-        assert sum(counts.values()) <= 5.5 * weights, counts  # 4.1 (Triton 3.6), 5.1 (3.9: moves of the tables)
+    counts = loop_counts(sass("mma", 8, block_n, block_k, warps, 3, False))
+    assert counts["HMMA.16816"] == weights // 8, counts
+    assert counts["PRMT"] == 2 * weights and counts.get("SHFL.IDX", 0) == 0, counts
+    assert not any(op.startswith(("STS", "LDSM")) for op in counts), counts
+    assert sum(counts.values()) <= 5.5 * weights, counts  # 4.1 (Triton 3.6), 5.1 (3.9: moves of the tables)
