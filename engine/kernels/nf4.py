@@ -35,6 +35,11 @@ whole groups per step, with Triton's pipeliner keeping the next steps' loads in 
     are instead looked up by byte permutes on the integer pipe (`_PRMT_CODES`: no shuffle, no
     memory), rounded to the activations' 16-bit type, and each group is multiplied as codes and
     scaled by its absmax after its product; faster than the shuffle in tiles of 16 rows;
+  - up to 8 or 16 rows (`_nf4_mma_kernel`): the codes looked up by byte permutes straight into
+    the A fragments of mma.sync products (16 weight rows, two per lane, in the layout Triton
+    gives the packed words' loads), x's rows the B operand, so no tile goes through shared
+    memory; each group's four products scaled by its absmax after them. The fastest at 2 to 16
+    rows; slower than the one-row kernel at one;
 `nf4_plan.plan_nf4` times a few launches per row count on a model's own weights and keeps the
 fastest of those that agree with the library's product on the dequantized weight (`launch_for`
 is a fixed rule where there is no plan); from 128 rows it also weighs that library product.
