@@ -61,11 +61,12 @@ SWEEP_PERMUTE = [(bm, bn, bk, w, 3, sw, perm) for bm in (16, 32, 64) for bn in (
                  for w in (4, 8) for sw in (False, True) for perm in (False, True)]
 # the planned launches with each code lookup: one row per program, and tiles of 16 rows
 SWEEP_PERMUTE_PLANNED = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[1] if len(c) == 6 for perm in (False, True)]
-SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if len(c) == 6 and c[5] for perm in (False, True)]
+SWEEP_PERMUTE_TILES = [c + (perm,) for c in nf4_plan.NF4_CANDIDATES[8] if len(c) == 6 and c[5]
+                       for perm in (False, True)]
 # the codes decoded into mma.sync fragments (8th field), 8 or 16 rows of x, beside the planned
 # launches for the row count; `mma-deep`: deeper pipelines, K split for up to 16 programs per SM
-SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, True) for bm in (8, 16) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4),
-                                                                                  (128, 8)) for bk in (128, 256, 512)]
+SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, True) for bm in (8, 16)
+             for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)) for bk in (128, 256, 512)]
 SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, True) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
                   for st in (3, 4, 5)]
 SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),

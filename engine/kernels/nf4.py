@@ -205,24 +205,30 @@ if triton is not None:
     # and from 8-15, bit 3 picks between the two, and two more permutes pair each column's low
     # and high byte, columns (0, 1) and (2, 3) as the two 16-bit halves of a word. The high
     # 16 bits give columns 4-7 the same way. Outputs: columns 0-3 ($0, $1), then 4-7 ($2, $3).
-    def _prmt_half(word: str, col01: str, col23: str, first_table: int = 5, pack: int = 4) -> str:
-        """PTX for the codes of the four columns whose nibbles are the low 16 bits of `word`,
-        columns (0, 1) into `col01`, (2, 3) into `col23`; the eight table words are the operands
-        from $`first_table`, `pack` apart (each a tensor operand of the asm)."""
+    def _prmt_lookup(s: str, m: str, col01: str, col23: str, first_table: int, pack: int) -> str:
+        """PTX for the codes of the four columns whose selectors are the low 16 bits of `s` (the
+        nibbles, bit 3 cleared) and `m` (each nibble's bit 3 as the pick between the two
+        permutes' results), columns (0, 1) into `col01`, (2, 3) into `col23`; the eight table
+        words are the operands from $`first_table`, `pack` apart (each a tensor operand)."""
         t = [f"${first_table + pack * i}" for i in range(8)]
+        return f"""
+    prmt.b32 a, {t[0]}, {t[1]}, {s};
+    prmt.b32 b, {t[2]}, {t[3]}, {s};
+    prmt.b32 lo, a, b, {m};
+    prmt.b32 a, {t[4]}, {t[5]}, {s};
+    prmt.b32 b, {t[6]}, {t[7]}, {s};
+    prmt.b32 hi, a, b, {m};
+    prmt.b32 {col01}, lo, hi, 0x4051;
+    prmt.b32 {col23}, lo, hi, 0x6273;"""
+
+    def _prmt_half(word: str, col01: str, col23: str) -> str:
+        """PTX for the codes of the four columns whose nibbles are the low 16 bits of `word`,
+        columns (0, 1) into `col01`, (2, 3) into `col23`."""
         return f"""
     and.b32 s, {word}, 0x7777;
     shr.b32 m, {word}, 1;
     and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;
-    prmt.b32 a, {t[0]}, {t[1]}, s;
-    prmt.b32 b, {t[2]}, {t[3]}, s;
-    prmt.b32 lo, a, b, m;
-    prmt.b32 a, {t[4]}, {t[5]}, s;
-    prmt.b32 b, {t[6]}, {t[7]}, s;
-    prmt.b32 hi, a, b, m;
-    prmt.b32 {col01}, lo, hi, 0x4051;
-    prmt.b32 {col23}, lo, hi, 0x6273;"""
+    or.b32 m, m, 0x3210;""" + _prmt_lookup("s", "m", col01, col23, first_table=5, pack=4)
 
     _PRMT_CODES = tl.constexpr("""
     {
@@ -254,20 +260,6 @@ if triton is not None:
     shr.b32 {m}, {reg}, 1;
     lop3.b32 {m}, {m}, 0x44444444, 0x32103210, 0xEA;"""
 
-    def _prmt_lookup(s: str, m: str, col01: str, col23: str) -> str:
-        """PTX for the codes of the four columns whose selectors are the low 16 bits of `s`, `m`
-        (_prmt_selectors), columns (0, 1) into `col01`, (2, 3) into `col23`."""
-        t = [f"${_MMA_TABLE + 8 * i}" for i in range(8)]
-        return f"""
-    prmt.b32 a, {t[0]}, {t[1]}, {s};
-    prmt.b32 b, {t[2]}, {t[3]}, {s};
-    prmt.b32 lo, a, b, {m};
-    prmt.b32 a, {t[4]}, {t[5]}, {s};
-    prmt.b32 b, {t[6]}, {t[7]}, {s};
-    prmt.b32 hi, a, b, {m};
-    prmt.b32 {col01}, lo, hi, 0x4051;
-    prmt.b32 {col23}, lo, hi, 0x6273;"""
-
     def _mma_group(ab: str, rows16: bool) -> str:
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
         lines = ["""
@@ -288,12 +280,12 @@ if triton is not None:
                 s, m = f"s{slot}", f"m{slot}"
                 if j % 2 == 0:
                     lines.append(_prmt_selectors(reg, s, m))
-                    lines.append(_prmt_lookup(s, m, col01, col23))
+                    lines.append(_prmt_lookup(s, m, col01, col23, _MMA_TABLE, 8))
                 else:
                     lines.append(f"""
     shr.b32 s, {s}, 16;
     shr.b32 m, {m}, 16;""")
-                    lines.append(_prmt_lookup("s", "m", col01, col23))
+                    lines.append(_prmt_lookup("s", "m", col01, col23, _MMA_TABLE, 8))
             c = "{fz, fz, fz, fz}" if j == 0 else "{d0, d1, d2, d3}"
             lines.append(f"""
     {mma} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{x{2 * j}, x{2 * j + 1}}}, {c};""")
@@ -559,8 +551,8 @@ if triton is not None:
                                          dtype=tl.float32, is_pure=True, pack=8)
 
     @triton.jit
-    def _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5, t6, t7,
-                  ROWS16: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    def _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm,
+                  t0, t1, t2, t3, t4, t5, t6, t7, ROWS16: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
         """One group's products [BLOCK_N, 16]: element (r, 4t + j) is weight row r against x's
         row out_x (r, 4t + j) over the 64 columns from kg (see _mma_group; x_row: the row of x
         whose B fragment lane r loads, x_hi for x rows 8-15 of the fragment). ASM:
@@ -631,8 +623,8 @@ if triton is not None:
                 else:
                     k_ok = (row[:, None] * 0 + kg) < k_hi
                     s = tl.load(S + row * stride_s + kg // 64, mask=(row * 0 + kg) < k_hi, other=0.0)
-                part = _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm, t0, t1, t2, t3, t4, t5,
-                                 t6, t7, ROWS16, BF16, ASM)
+                part = _mma_part(P16, X, C, row, x_row, x_hi, out_x, kg, k_ok, K, stride_p16, stride_xm,
+                                 t0, t1, t2, t3, t4, t5, t6, t7, ROWS16, BF16, ASM)
                 acc += part * s[:, None]
         out = Y + (pid_k * M + out_m).to(tl.int64) * N + rn[:, None]
         ok = (out_m < M) & (rn[:, None] < N)
@@ -725,8 +717,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_mma_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, ROWS16=block_m == 16, BF16=x.dtype == torch.bfloat16,
-            ASM=x.is_cuda, EVEN=even, STAGES=stages, num_warps=warps,
-            **args)
+            ASM=x.is_cuda, EVEN=even, STAGES=stages, num_warps=warps, **args)
     elif block_m == 1:
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,

@@ -106,8 +106,8 @@ def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
                 for bn, warps in ((64, 4), (32, 2), (128, 8)):
                     for bk in (128, 512):
                         for per_sm in (0, 4):
-                            launches.append(nf4.with_split((bm, bn, bk, warps, 3, False, False, True), m, n, k, sms,
-                                                           per_sm))
+                            cand = (bm, bn, bk, warps, 3, False, False, True)
+                            launches.append(nf4.with_split(cand, m, n, k, sms, per_sm))
             launches.append(dict(launches[0], pdl=pdl))
             for cfg in launches:
                 err = rel(nf4.nf4_matmul(x, w, **cfg), want)
