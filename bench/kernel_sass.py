@@ -37,7 +37,7 @@ def compiled(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, 
 
     fn = getattr(nf4, KERNELS[kernel])
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=False, IEEE=False, SHFL=True, SWAP=swap,
-                 X16=True, BF16=True, EVEN=True, STAGES=stages, PERMUTE=permute, MIXED=permute, ROWS16=block_m == 16,
+                 X16=True, BF16=True, EVEN=True, STAGES=stages, PERMUTE=permute, ROWS16=block_m == 16,
                  ASM=True, GDC=False)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {**SIGNATURE, **{k: "constexpr" for k in const}}

@@ -221,14 +221,14 @@ if triton is not None:
     prmt.b32 {col01}, lo, hi, 0x4051;
     prmt.b32 {col23}, lo, hi, 0x6273;"""
 
-    def _prmt_half(word: str, col01: str, col23: str, first_table: int = 5) -> str:
+    def _prmt_half(word: str, col01: str, col23: str) -> str:
         """PTX for the codes of the four columns whose nibbles are the low 16 bits of `word`,
-        columns (0, 1) into `col01`, (2, 3) into `col23` (tables from $`first_table`, pack 4)."""
+        columns (0, 1) into `col01`, (2, 3) into `col23`."""
         return f"""
     and.b32 s, {word}, 0x7777;
     shr.b32 m, {word}, 1;
     and.b32 m, m, 0x4444;
-    or.b32 m, m, 0x3210;""" + _prmt_lookup("s", "m", col01, col23, first_table=first_table, pack=4)
+    or.b32 m, m, 0x3210;""" + _prmt_lookup("s", "m", col01, col23, first_table=5, pack=4)
 
     _PRMT_CODES = tl.constexpr("""
     {
@@ -314,44 +314,6 @@ if triton is not None:
     _MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 4 + ["l"] * 16 + ["r"] * 64))
 
     _PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r," + ",".join(["r"] * 32))
-
-    # The one-row kernel's codes, half by byte permutes (integer pipe) and half by warp shuffles
-    # (the shuffle unit), four bytes per call: bytes 0-1 by permutes into bfloat16 pairs widened
-    # to float32, bytes 2-3 by shuffles as in _SHFL_CODES. Outputs as _SHFL_CODES's: the high
-    # nibbles' codes ($0-$3), then the low nibbles' ($4-$7), float32 bit patterns.
-    _MIXED_CODES = tl.constexpr("""
-    {
-    .reg .b32 s, m, a, b, lo, hi, w, t, code, lane;
-    .reg .b64 addr;""" + _prmt_half("$8", "w", "t", first_table=13) + """
-    shl.b32 $0, w, 16;
-    and.b32 $4, w, 0xffff0000;
-    shl.b32 $1, t, 16;
-    and.b32 $5, t, 0xffff0000;
-    mov.u32 lane, %laneid;
-    and.b32 lane, lane, 15;
-    mad.wide.u32 addr, lane, 4, $9;
-    ld.global.nc.b32 code, [addr];
-    shr.b32 t, $8, 20;
-    shfl.sync.idx.b32 $2, code, t, 0x1f, 0xffffffff;
-    shr.b32 t, $8, 16;
-    shfl.sync.idx.b32 $6, code, t, 0x1f, 0xffffffff;
-    shr.b32 t, $8, 28;
-    shfl.sync.idx.b32 $3, code, t, 0x1f, 0xffffffff;
-    shr.b32 t, $8, 24;
-    shfl.sync.idx.b32 $7, code, t, 0x1f, 0xffffffff;
-    }
-    """)
-    _MIXED_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] + ["l"] * 4 + ["r"] * 32))
-
-    @triton.jit
-    def _mixed_codes(p, C, t0, t1, t2, t3, t4, t5, t6, t7):
-        """The bfloat16 codes of the high and low nibbles of the bytes p as float32, half by byte
-        permutes and half by warp shuffles (CUDA); the tables from `_code_tables` for bfloat16."""
-        z = tl.zeros(p.shape, tl.int32)
-        hi, lo = tl.inline_asm_elementwise(_MIXED_CODES, _MIXED_CONSTRAINTS,
-                                           [p, C + z, z + t0, z + t1, z + t2, z + t3, z + t4, z + t5, z + t6, z + t7],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
-        return hi.to(tl.float32, bitcast=True), lo.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _code_tables(C, X):
@@ -463,7 +425,7 @@ if triton is not None:
     def _nf4_gemv_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, SHFL: tl.constexpr,
                          X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                         MIXED: tl.constexpr = False, GDC: tl.constexpr = False):
+                         GDC: tl.constexpr = False):
         """One row of x per program (pid 2) against BLOCK_N weight rows over a K slice, in tiles of
         G = BLOCK_K / 64 whole groups ([BLOCK_N, G, 32] bytes) with STAGES tiles in flight
         (Triton's pipeliner): each thread sums its part of a group's products first and scales
@@ -481,14 +443,9 @@ if triton is not None:
         pdl_enter(GDC)
         xr = X + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, G], tl.float32)
-        if MIXED:
-            t0, t1, t2, t3, t4, t5, t6, t7 = _code_tables(C, X)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
-            if MIXED and SHFL:
-                hi, lo = _mixed_codes(p, C, t0, t1, t2, t3, t4, t5, t6, t7)
-            else:
-                hi, lo = _codes(p, C, SHFL)
+            hi, lo = _codes(p, C, SHFL)
             xe, xo = _x_tile(xr, g, j, k0, k_hi, X16, BF16, EVEN)
             acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
         y = tl.sum(acc, axis=1)
@@ -741,9 +698,8 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.shape[0]
-    if (permute or mma) and (x.element_size() != 2 or block_m == 1 and (mma or x.dtype != torch.bfloat16)):
-        raise ValueError("the permute lookup takes 16-bit activations (bfloat16 for one row per program), mma "
-                         "fragments tiles (block_m from 8) of them")
+    if (permute or mma) and (block_m == 1 or x.element_size() != 2):
+        raise ValueError("the permute lookup and mma fragments take tiles (block_m from 8) of 16-bit activations")
     if mma and (block_m not in (8, 16) or block_n % (16 * warps)):
         raise ValueError("mma fragments take block_m 8 or 16 and block_n a multiple of 16 rows per warp")
     if block_k % GROUP or block_m & (block_m - 1) or block_n & (block_n - 1) or (1 < block_m < 16 and not mma):
@@ -766,7 +722,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
-            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, MIXED=permute, num_warps=warps, **args)
+            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, num_warps=warps, **args)
     else:
         _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
