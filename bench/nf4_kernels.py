@@ -83,12 +83,13 @@ def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") ->
     n = ws[0].shape[0]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     one_row, tiles, per_sms = SWEEPS[grid]
-    cands = [c for c in tiles if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
-    if m == 1:
-        cands = one_row + ([] if one_row else cands)
-    if grid.startswith("mma"):
+    if grid.startswith("mma"):  # the mma launches for the row count beside the planned ones without mma
         planned = nf4_plan.NF4_CANDIDATES[min(r for r in nf4_plan.NF4_CANDIDATES if r >= m)]
         cands = [c for c in tiles if c[0] == (8 if m <= 8 else 16)] + [c for c in planned if len(c) < 8]
+    elif m == 1 and one_row:
+        cands = one_row
+    else:
+        cands = [c for c in tiles if c[0] == min(64, max(16, 1 << (m - 1).bit_length()))]
     want = F.linear(x, dense)
     out, seen = [], []
     for cand in cands:
