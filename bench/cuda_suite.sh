@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-wide|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -62,12 +62,6 @@ case "${2:-}" in
       -k "kernels_match or mma or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" | grep -v "^\.$" | tail -14
     timeout 360 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 16 --sweep mma --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
-  nf4-wide)  # the one-row kernel with a wide accumulator: the NF4 kernels' GPU tests (its launches
-    # included), then its launches against the kernel as planned at 1-3 stages (Gemma-3 4B, one row)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 2 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-      -k "kernels_match" 2>&1 | tee "$OUT/cuda-tests-nf4-wide.log" | grep -v "^\.$" | tail -8
-    timeout 330 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 --sweep wide --out "$OUT" 2>&1 \
-      | tee "$OUT/nf4-kernels-wide.log" | grep -v "^ \{9\}" ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
     # kernel, stall reasons per issued instruction and pipe utilisation, side by side
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -3,7 +3,7 @@ Hopper (sm_90) by Triton and its own ptxas, disassembled, and the instructions o
 body (the longest backward branch) counted per weight each thread decodes in one iteration. No
 GPU is needed, so a change to the decode can be weighed before it is timed.
 
-    python -m bench.kernel_sass --kernel gemv --block-n 32 --block-k 256 --warps 4 --stages 3 [--wide]
+    python -m bench.kernel_sass --kernel gemv --block-n 32 --block-k 256 --warps 4 --stages 3
     python -m bench.kernel_sass --kernel dot --block-m 16 --block-n 64 --block-k 128 --swap [--permute]
     python -m bench.kernel_sass --kernel mma --block-m 8 --block-n 64 --block-k 256
 
@@ -27,7 +27,7 @@ MULTIPLE_OF_16 = ("X", "P", "S", "C", "Y", "N", "K", "stride_xm", "stride_p", "k
 
 
 def compiled(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, swap: bool,
-             permute: bool = False, wide: bool = False):
+             permute: bool = False):
     """The kernel compiled for sm_90 (Triton's CompiledKernel: its `asm` holds each stage's text)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,7 +38,7 @@ def compiled(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, 
     fn = getattr(nf4, KERNELS[kernel])
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=False, IEEE=False, SHFL=True, SWAP=swap,
                  X16=True, BF16=True, EVEN=True, STAGES=stages, PERMUTE=permute, ROWS16=block_m == 16,
-                 ASM=True, WIDE=wide, GDC=False)
+                 ASM=True, GDC=False)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {**SIGNATURE, **{k: "constexpr" for k in const}}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in MULTIPLE_OF_16}
@@ -48,11 +48,11 @@ def compiled(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, 
 
 
 def sass(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, swap: bool,
-         permute: bool = False, wide: bool = False) -> str:
+         permute: bool = False) -> str:
     """The kernel's SASS for sm_90 (`compiled`, disassembled by the nvdisasm Triton ships)."""
     import triton
 
-    kernel = compiled(kernel, block_m, block_n, block_k, warps, stages, swap, permute, wide)
+    kernel = compiled(kernel, block_m, block_n, block_k, warps, stages, swap, permute)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cubin = "/tmp/s5serve-kernel-sass.cubin"
     with open(cubin, "wb") as f:
@@ -87,10 +87,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--swap", action="store_true")
     ap.add_argument("--permute", action="store_true", help="dot: the code lookup by byte permutes")
-    ap.add_argument("--wide", action="store_true", help="gemv: the accumulator as wide as the tile")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
-    counts = loop_counts(sass(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.swap, a.permute, a.wide))
+    counts = loop_counts(sass(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.swap, a.permute))
     weights = a.block_n * a.block_k / (32 * a.warps)  # weights each thread decodes per iteration
     total = sum(counts.values())
     print(f"{KERNELS[a.kernel]}: {weights:.0f} weights per thread per K step, {total} instructions in the loop, "
@@ -99,8 +98,7 @@ def main() -> None:
     for op, c in counts.most_common(20):
         print(f"{op:>14} {c:>6} {c / weights:>10.3f}")
     launch = dict(block_m=1 if a.kernel == "gemv" else a.block_m, block_n=a.block_n, block_k=a.block_k,
-                  warps=a.warps, stages=a.stages, swap=a.swap, permute=a.permute, mma=a.kernel == "mma",
-                  wide=a.wide)
+                  warps=a.warps, stages=a.stages, swap=a.swap, permute=a.permute, mma=a.kernel == "mma")
     write_result(a.out, f"kernel-sass-{a.kernel}", {
         "bench": "kernel_sass", "kernel": KERNELS[a.kernel], "launch": launch, "target": "sm_90",
         "weights_per_thread_per_step": weights, "loop_instructions": total, "per_weight": total / weights,

@@ -15,8 +15,7 @@ agree with the library's product, beside the planned one. `--sweep permute` time
 codes are looked up by byte permutes (kernels/nf4.py, `permute`). `--sweep mma` times the
 kernel that decodes the codes straight into mma.sync fragments (`mma`: tile shapes, K steps;
 `mma-deep`: deeper pipelines, K split for up to 16 programs per SM) against the planned
-launches for the row count. `--sweep wide` times the one-row kernel with an accumulator as wide
-as its tile (`wide`) against it as planned, at one to three stages.
+launches for the row count.
 """
 
 from __future__ import annotations
@@ -70,14 +69,7 @@ SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, True) for bm in (8, 16)
              for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)) for bk in (128, 256, 512)]
 SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, True) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
                   for st in (3, 4, 5)]
-# the one-row kernel with its accumulator as wide as its tile (9th field: no per-step layout
-# conversion) against the kernel as planned, each at 1-3 stages (one stage: plain loads into
-# registers, no shared memory)
-SWEEP_WIDE = [(1, bn, bk, w, st, False, False, False, wide) for bn, bk, w in
-              ((4, 512, 1), (8, 256, 1), (8, 256, 2), (8, 512, 2), (16, 128, 2), (16, 256, 2), (16, 256, 4),
-               (16, 512, 4), (32, 256, 4), (32, 128, 4))
-              for st in (1, 2, 3) for wide in (False, True)]
-SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "wide": (SWEEP_WIDE, [], (0, 2, 4, 8)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
+SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
           "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
           "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
 
@@ -170,10 +162,6 @@ def main() -> None:
                     kinds = {"shuffles": lambda c: not c["permute"] and not c["mma"],
                              "permutes": lambda c: c["permute"] and not c["mma"],
                              "mma fragments": lambda c: c["mma"]}
-                    if a.sweep == "wide":
-                        kinds = {f"{'wide' if wide else 'planned'} accumulator, {st} stage{'s' * (st > 1)}":
-                                 lambda c, wide=wide, st=st: c["wide"] == wide and c["stages"] == st
-                                 for wide in (False, True) for st in (1, 2, 3)}
                     for kind, is_kind in kinds.items():  # the fastest launch of each code lookup
                         r = next((r for r in row["sweep"] if is_kind(r["launch"])), None)
                         if r:

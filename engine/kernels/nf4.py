@@ -397,18 +397,17 @@ if triton is not None:
         return p, s
 
     @triton.jit
-    def _x_tile(xr, pair, k_hi, zero, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
-        """One row's column pairs `pair` (columns 2 pair, 2 pair + 1) as two float32 tensors, the
-        even and the odd columns, of the shape of pair + zero (zero broadcasts the loads
-        themselves, so that they land in the layout of their use): 16-bit activations (X16) read
-        as one 32-bit word per pair and split in registers, others read at stride 2 (EVEN: the
-        columns lie below k_hi)."""
-        ok = (2 * pair + zero) < k_hi
+    def _x_tile(xr, g, j, kg, k_hi, X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr):
+        """One row's even and odd columns of the groups from kg as float32 [G, 32] each: 16-bit
+        activations (X16) read as one 32-bit word per (even, odd) pair and split in registers,
+        others read at stride 2 (EVEN: the groups lie below k_hi)."""
+        col = kg + 64 * g[:, None] + 2 * j[None, :]
+        ok = col < k_hi
         if X16:
             if EVEN:
-                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + pair + zero)
+                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + col // 2)
             else:
-                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + pair + zero, mask=ok, other=0)
+                w = tl.load(xr.to(tl.pointer_type(tl.int32)) + col // 2, mask=ok, other=0)
             if BF16:  # a bfloat16 is the upper half of its float32
                 return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
             else:
@@ -416,17 +415,17 @@ if triton is not None:
                 odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
                 return even.to(tl.float32), odd.to(tl.float32)
         elif EVEN:
-            return tl.load(xr + 2 * pair + zero).to(tl.float32), tl.load(xr + 2 * pair + 1 + zero).to(tl.float32)
+            return tl.load(xr + col).to(tl.float32), tl.load(xr + col + 1).to(tl.float32)
         else:
-            even = tl.load(xr + 2 * pair + zero, mask=ok, other=0.0)
-            odd = tl.load(xr + 2 * pair + 1 + zero, mask=ok, other=0.0)
+            even = tl.load(xr + col, mask=ok, other=0.0)
+            odd = tl.load(xr + col + 1, mask=ok, other=0.0)
             return even.to(tl.float32), odd.to(tl.float32)
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
     def _nf4_gemv_kernel(X, P, S, C, Y, M, N, K, stride_xm, stride_p, stride_s, k_per,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, SHFL: tl.constexpr,
                          X16: tl.constexpr, BF16: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                         WIDE: tl.constexpr = False, GDC: tl.constexpr = False):
+                         GDC: tl.constexpr = False):
         """One row of x per program (pid 2) against BLOCK_N weight rows over a K slice, in tiles of
         G = BLOCK_K / 64 whole groups ([BLOCK_N, G, 32] bytes) with STAGES tiles in flight
         (Triton's pipeliner): each thread sums its part of a group's products first and scales
@@ -443,23 +442,13 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + k_per, K)
         pdl_enter(GDC)
         xr = X + pid_m.to(tl.int64) * stride_xm
-        if WIDE:
-            zero = tl.zeros([BLOCK_N, G, 32], tl.int32)
-            acc3 = tl.zeros([BLOCK_N, G, 32], tl.float32)
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
-                hi, lo = _codes(p, C, SHFL)
-                xe, xo = _x_tile(xr, k0 // 2 + 32 * g[None, :, None] + j[None, None, :], k_hi, zero, X16, BF16, EVEN)
-                acc3 += (hi * xe + lo * xo) * s[:, :, None]
-            y = tl.sum(tl.sum(acc3, axis=2), axis=1)
-        else:
-            acc = tl.zeros([BLOCK_N, G], tl.float32)
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
-                hi, lo = _codes(p, C, SHFL)
-                xe, xo = _x_tile(xr, k0 // 2 + 32 * g[:, None] + j[None, :], k_hi, 0, X16, BF16, EVEN)
-                acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
-            y = tl.sum(acc, axis=1)
+        acc = tl.zeros([BLOCK_N, G], tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            p, s = _gemv_tile(P, S, rn, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
+            hi, lo = _codes(p, C, SHFL)
+            xe, xo = _x_tile(xr, g, j, k0, k_hi, X16, BF16, EVEN)
+            acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
+        y = tl.sum(acc, axis=1)
         out = Y + (pid_k * M + pid_m).to(tl.int64) * N + rn
         if PARTIAL:  # float32 partials of this K slice, summed by _sum_splits_kernel
             tl.store(out, y, mask=nm)
@@ -693,7 +682,7 @@ def _check(x: torch.Tensor, w: NF4Weight) -> None:
 
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_k: int, split: int,
                warps: int = 4, stages: int = 3, shfl: bool = False, swap: bool = False, permute: bool = False,
-               mma: bool = False, wide: bool = False, pdl: bool = False) -> torch.Tensor:
+               mma: bool = False, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (last dim contiguous) @ W^T -> [M, N] in x's dtype, W decoded in registers:
     `block_m` 1, one row of x per program on FMAs (`_nf4_gemv_kernel`), else tiles of `block_m`
     rows on tensor cores (`_nf4_dot_kernel`, `swap`: as W x^T); `block_n` weight rows per program,
@@ -733,7 +722,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, block_m: int, block_n: int, block_
         _nf4_gemv_kernel[(triton.cdiv(n, block_n), split, m)](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
             BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1, SHFL=shfl and x.is_cuda, X16=x.element_size() == 2,
-            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, WIDE=wide, num_warps=warps, **args)
+            BF16=x.dtype == torch.bfloat16, EVEN=even, STAGES=stages, num_warps=warps, **args)
     else:
         _nf4_dot_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))](
             x, w.packed, w.scales, w.code, out, m, n, k, x.stride(0), w.packed.stride(0), w.scales.stride(0), k_per,
@@ -793,10 +782,9 @@ def with_split(cand: tuple, m: int, n: int, k: int, sms: int, per_sm: int = 2, s
     block_m, block_n, block_k, warps, stages, swap, *rest = cand
     permute = bool(rest and rest[0])
     mma = bool(len(rest) > 1 and rest[1])
-    wide = bool(len(rest) > 2 and rest[2])
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while programs * split < per_sm * sms and split * 2 * block_k <= k:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages,
-                shfl=shfl, swap=swap, permute=permute, mma=mma, wide=wide)
+                shfl=shfl, swap=swap, permute=permute, mma=mma)

@@ -69,7 +69,7 @@ if triton is not None:
         for k0 in tl.range(0, k_hi, BLOCK_K, num_stages=STAGES):
             p, s = _gemv_tile(P, S, rows, nm, g, j, k0, k_hi, stride_p, stride_s, EVEN)
             hi, lo = _codes(p, C, SHFL)
-            xe, xo = _x_tile(xr, k0 // 2 + 32 * g[:, None] + j[None, :], k_hi, 0, X16, BF16, EVEN)
+            xe, xo = _x_tile(xr, g, j, k0, k_hi, X16, BF16, EVEN)
             acc += (tl.sum(hi * xe[None, :, :], axis=2) + tl.sum(lo * xo[None, :, :], axis=2)) * s
         return tl.sum(acc, axis=1)
 

@@ -67,10 +67,7 @@ def check_kernels() -> float:
                         dict(block_m=16, block_n=32, block_k=64, split=2, swap=True),
                         dict(block_m=32, block_n=16, block_k=256, split=1, swap=True),
                         dict(block_m=1, block_n=32, block_k=64, split=2), dict(block_m=1, block_n=16, block_k=256, split=1),
-                        dict(block_m=1, block_n=8, block_k=512, split=1),
-                        # the one-row kernel with a wide accumulator
-                        dict(block_m=1, block_n=16, block_k=128, split=2, wide=True),
-                        dict(block_m=1, block_n=8, block_k=256, split=1, stages=1, wide=True)]
+                        dict(block_m=1, block_n=8, block_k=512, split=1)]
             for launch in launches:
                 got = nf4.nf4_matmul(x, w, **launch)
                 assert got.shape == (m, n) and got.dtype == x.dtype
@@ -90,8 +87,7 @@ def check_kernels() -> float:
             x = torch.randn(m, 320).to(dtype)
             want = x.float() @ want_w.float().T
             launches = [dict(block_m=1, block_n=16, block_k=128, split=2),
-                        dict(block_m=1, block_n=8, block_k=512, split=1),
-                        dict(block_m=1, block_n=16, block_k=128, split=2, wide=True)]
+                        dict(block_m=1, block_n=8, block_k=512, split=1)]
             if dtype == torch.float16:  # tiles, with the codes by shuffle (loads here) and by byte permutes
                 launches += [dict(block_m=16, block_n=16, block_k=128, split=1),
                              dict(block_m=16, block_n=32, block_k=128, split=2, swap=True),

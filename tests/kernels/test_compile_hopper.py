@@ -56,7 +56,7 @@ def test_nf4_kernel_compiles_for_sm90(variant):
     if bm == 1:
         fn = nf4._nf4_gemv_kernel
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, SHFL=shfl, X16=dtype != "fp32", BF16=dtype == "bf16",
-                      EVEN=even, STAGES=stages, WIDE=False, GDC=True)
+                      EVEN=even, STAGES=stages, GDC=True)
     else:
         fn = nf4._nf4_dot_kernel
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, IEEE=dtype == "fp32", SHFL=shfl, SWAP=swap,
