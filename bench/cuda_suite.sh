@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -62,6 +62,9 @@ case "${2:-}" in
       -k "kernels_match or mma or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" | grep -v "^\.$" | tail -14
     timeout 360 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 16 --sweep mma --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
+  nf4-cuda)  # the one-row NF4 product written in CUDA C++ (bench/cuda/nf4_gemv.cu, built here by
+    # torch's extension loader) against the Triton plan's launch, Gemma-3 4B projections at one row
+    timeout 420 python3 -m bench.nf4_cuda --shape gemma3-4b --out "$OUT" 2>&1 | tee "$OUT/nf4-cuda.log" ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
     # kernel, stall reasons per issued instruction and pipe utilisation, side by side
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

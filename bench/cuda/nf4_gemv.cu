@@ -1,0 +1,149 @@
+// One row of x (bf16) against a bitsandbytes NF4 weight, written in CUDA C++ rather than Triton,
+// to measure whether the one-row product's third of the bandwidth is Triton's doing.
+//
+// Weight: packed bytes [N, K/2] (byte b of a row holds elements 2b in its high nibble and
+// 2b + 1 in its low one), absmax [N, K/64] float32, code table [16] float32. Each warp owns ROWS
+// weight rows and walks K in chunks of 32 elements (16 bytes), one chunk per lane per step: one
+// 16-byte load of each row's bytes, x's 32 elements read once for all ROWS rows. A code is looked
+// up by warp shuffle: lane l holds code[l % 16], so a nibble in the low 4 bits of the shuffle's
+// lane index names its code with no masking (the bit above it lands on the table's copy in lanes
+// 16-31). Each chunk's products are summed in float32, then scaled by its group's absmax once.
+// K split over gridDim.y writes float32 partials that `sum_splits` adds in a fixed order.
+#include <cuda_bf16.h>
+#include <stdint.h>
+#ifndef NF4_KERNELS_ONLY  // the launcher, for torch's extension loader
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/types.h>
+#endif
+
+namespace {
+
+__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+template <int ROWS>
+__global__ void __launch_bounds__(256) nf4_gemv_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
+    const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
+    int n, int k, int stride_p, int stride_s, int chunks_per_split) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int row0 = warp * ROWS;
+  if (row0 >= n) return;  // whole warps leave together: the shuffles below see full warps
+  const float table = __ldg(code + (lane & 15));
+  const int chunks = k >> 5;
+  const int c_lo = blockIdx.y * chunks_per_split;
+  const int c_hi = min(c_lo + chunks_per_split, chunks);
+  const uint8_t* prow[ROWS];
+  const float* srow[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int row = min(row0 + r, n - 1);  // rows past the last repeat it and are not stored
+    prow[r] = packed + (size_t)row * stride_p;
+    srow[r] = absmax + (size_t)row * stride_s;
+  }
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int c0 = c_lo; c0 < c_hi; c0 += 32) {
+    const int c = c0 + lane;
+    const bool ok = c < c_hi;
+    const int cc = ok ? c : c_lo;  // a lane past the slice reads a valid chunk and scales it by zero
+    uint4 xv[4];
+    uint4 wv[ROWS];
+    float s[ROWS];
+    const uint4* xp = reinterpret_cast<const uint4*>(x) + (size_t)cc * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xv[i] = __ldg(xp + i);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      wv[r] = __ldg(reinterpret_cast<const uint4*>(prow[r]) + cc);
+      s[r] = ok ? __ldg(srow[r] + (cc >> 1)) : 0.f;
+    }
+    float xe[16], xo[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w4[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        xe[4 * i + j] = lo_bf16(w4[j]);
+        xo[4 * i + j] = hi_bf16(w4[j]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint32_t q[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
+          const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
+          sum = fmaf(hi, xe[4 * i + b], sum);
+          sum = fmaf(lo, xo[4 * i + b], sum);
+        }
+      }
+      acc[r] = fmaf(sum, s[r], acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int row = row0 + r;
+    if (lane == 0 && row < n) {
+      if (gridDim.y > 1) partial[(size_t)blockIdx.y * n + row] = v;
+      else y[row] = __float2bfloat16(v);
+    }
+  }
+}
+
+__global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat16* __restrict__ y, int n,
+                                  int split) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v = 0.f;
+  for (int s = 0; s < split; ++s) v += partial[(size_t)s * n + i];
+  y[i] = __float2bfloat16(v);
+}
+
+#ifdef NF4_KERNELS_ONLY  // each kernel once, to read its machine code without torch
+template __global__ void nf4_gemv_kernel<1>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+                                            __nv_bfloat16*, int, int, int, int, int);
+template __global__ void nf4_gemv_kernel<4>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+                                            __nv_bfloat16*, int, int, int, int, int);
+#endif
+}  // namespace
+
+#ifndef NF4_KERNELS_ONLY
+// x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
+// y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64.
+void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split) {
+  const int n = packed.size(0), k = x.size(-1);
+  const int chunks = k / 32;
+  const int per = (chunks + split - 1) / split;
+  const int row_warps = (n + rows - 1) / rows;
+  dim3 grid((row_warps + warps - 1) / warps, split);
+  dim3 block(32 * warps);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  auto* part = split > 1 ? partial.data_ptr<float>() : nullptr;
+  const int sp = packed.stride(0), ss = absmax.stride(0);
+#define LAUNCH(R)                                                                                          \
+  nf4_gemv_kernel<R><<<grid, block, 0, stream>>>(xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), \
+                                                 code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
+  switch (rows) {
+    case 1: LAUNCH(1); break;
+    case 2: LAUNCH(2); break;
+    case 4: LAUNCH(4); break;
+    case 8: LAUNCH(8); break;
+    default: TORCH_CHECK(false, "rows must be 1, 2, 4 or 8");
+  }
+#undef LAUNCH
+  if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
+}
+#endif
