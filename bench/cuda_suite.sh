@@ -64,7 +64,23 @@ case "${2:-}" in
       | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
   nf4-cuda)  # the one-row NF4 product written in CUDA C++ (bench/cuda/nf4_gemv.cu, built here by
     # torch's extension loader) against the Triton plan's launch, Gemma-3 4B projections at one row
-    timeout 420 python3 -m bench.nf4_cuda --shape gemma3-4b --out "$OUT" 2>&1 | tee "$OUT/nf4-cuda.log" ;;
+    timeout 300 python3 -m bench.nf4_cuda --shape gemma3-4b --out "$OUT" 2>&1 | tee "$OUT/nf4-cuda.log"
+    # Nsight Compute on gate/up: the CUDA kernel, its loads alone, and the Triton one-row kernel
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 200 "$NCU" --clock-control none -k regex:'nf4_gemv' -s 3 -c 3 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats --section WarpStateStats \
+      python3 -c "
+import torch; from engine.kernels import nf4; from bench.nf4_cuda import build
+ext = build()
+w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
+                  torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
+x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
+y = torch.empty(1, 20480, device='cuda', dtype=torch.bfloat16); part = torch.empty(1, 20480, device='cuda')
+for _ in range(2):
+    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 0)
+    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 1)
+    nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
+torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
     # kernel, stall reasons per issued instruction and pipe utilisation, side by side
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -7,6 +7,8 @@ checked against the library's product on the dequantized weight, and timed per G
 projection at one row over a grid of launches (weight rows per warp, warps per block, K split),
 beside the Triton plan's launch and the bf16 library product, the same way `bench.nf4_kernels`
 times them (CUDA graphs over copies of the weights, 128 MB or more, so none is served from L2).
+The fastest launches are timed again with one stage left out (the source's MODE): the loads
+alone, and the lookups and products alone, so the difference says where the time goes.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--out bench/results]
 """
@@ -32,7 +34,7 @@ def build():
     from torch.utils.cpp_extension import load_inline
 
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
-            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split);")
+            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode);")
     return load_inline("s5_bench_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv"],
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
 
@@ -51,7 +53,8 @@ def main() -> None:
     bw = copy_bandwidth("cuda") / 2
     print(f"copy bandwidth (read side) {bw / 1e9:.0f} GB/s")
     print(f"{'proj':>8} {'N x K':>13} {'triton us':>9} {'cuda us':>8} {'cuda/triton':>11} {'GB/s':>6} {'floor us':>8} "
-          f"{'bf16 us':>8}  cuda launch (rows/warp, warps, split)", flush=True)
+          f"{'bf16 us':>8}  cuda launch (rows/warp, warps, split); the same without the lookups / without "
+          f"the weight loads", flush=True)
     rows_out = []
     for name, (n_out, k) in projections(a.shape).items():
         nbytes = n_out * k // 2 + n_out * k // 64 * 4
@@ -73,8 +76,8 @@ def main() -> None:
         for rows, warps, split in LAUNCHES:
             part = torch.empty(split, n_out, device="cuda", dtype=torch.float32)
 
-            def call(w, rows=rows, warps=warps, split=split, part=part):
-                ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split)
+            def call(w, rows=rows, warps=warps, split=split, part=part, mode=0):
+                ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode)
 
             call(ws[0])
             if not nf4_plan.agrees(y, want):
@@ -82,8 +85,14 @@ def main() -> None:
                 continue
             us = timed(lambda: [call(w) for w in ws], len(ws))
             if us:
-                results.append({"us": us, "rows_per_warp": rows, "warps": warps, "split": split})
+                results.append({"us": us, "rows_per_warp": rows, "warps": warps, "split": split, "call": call})
         results.sort(key=lambda r: r["us"])
+        for r in results[:3]:  # the same launches with one stage left out (MODE in the source)
+            call = r.pop("call")
+            r["loads_only_us"] = timed(lambda: [call(w, mode=1) for w in ws], len(ws))
+            r["lookups_only_us"] = timed(lambda: [call(w, mode=2) for w in ws], len(ws))
+        for r in results[3:]:
+            r.pop("call")
         best = results[0] if results else None
         floor_us = nbytes / bw * 1e6
         row = {"projection": name, "out": n_out, "in": k, "triton_us": triton_us, "triton_launch": plan.get(1),
@@ -92,9 +101,11 @@ def main() -> None:
         if best:
             print(f"{name:>8} {f'{n_out}x{k}':>13} {triton_us:>9.1f} {best['us']:>8.1f} {best['us'] / triton_us:>11.2f} "
                   f"{nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} {lib_us:>8.1f}  "
-                  f"({best['rows_per_warp']}, {best['warps']}, {best['split']})", flush=True)
-            for r in results[1:4]:
-                print(f"{'':>33} {r['us']:>8.1f}  ({r['rows_per_warp']}, {r['warps']}, {r['split']})")
+                  f"({best['rows_per_warp']}, {best['warps']}, {best['split']}); {best['loads_only_us']:.1f} / "
+                  f"{best['lookups_only_us']:.1f}", flush=True)
+            for r in results[1:3]:
+                print(f"{'':>33} {r['us']:>8.1f}  ({r['rows_per_warp']}, {r['warps']}, {r['split']}); "
+                      f"{r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}")
         ws = full = []
         torch.cuda.empty_cache()
     write_result(a.out, f"nf4-cuda-gemv-{a.shape}", {

@@ -21,7 +21,10 @@ namespace {
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-template <int ROWS>
+// MODE 0: the product. To place the time, two variants that leave one stage out (their output
+// is not the product): 1, the loads alone (each word's bits summed, no lookup); 2, the lookups
+// and products alone (the weight words made up from the chunk index, no weight load).
+template <int ROWS, int MODE>
 __global__ void __launch_bounds__(256) nf4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
@@ -57,7 +60,12 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
     for (int i = 0; i < 4; ++i) xv[i] = __ldg(xp + i);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      wv[r] = __ldg(reinterpret_cast<const uint4*>(prow[r]) + cc);
+      if (MODE == 2) {
+        const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)r * 0x85ebca6bu;
+        wv[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
+      } else {
+        wv[r] = __ldg(reinterpret_cast<const uint4*>(prow[r]) + cc);
+      }
       s[r] = ok ? __ldg(srow[r] + (cc >> 1)) : 0.f;
     }
     float xe[16], xo[16];
@@ -76,6 +84,10 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        if (MODE == 1) {
+          sum += __uint_as_float(q[i] & 0x3fffffffu) * xe[4 * i];
+          continue;
+        }
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
@@ -110,10 +122,14 @@ __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat
 }
 
 #ifdef NF4_KERNELS_ONLY  // each kernel once, to read its machine code without torch
-template __global__ void nf4_gemv_kernel<1>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+template __global__ void nf4_gemv_kernel<1, 0>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
                                             __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_kernel<4>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+template __global__ void nf4_gemv_kernel<4, 0>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
                                             __nv_bfloat16*, int, int, int, int, int);
+template __global__ void nf4_gemv_kernel<4, 1>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+                                               __nv_bfloat16*, int, int, int, int, int);
+template __global__ void nf4_gemv_kernel<4, 2>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
+                                               __nv_bfloat16*, int, int, int, int, int);
 #endif
 }  // namespace
 
@@ -121,7 +137,7 @@ template __global__ void nf4_gemv_kernel<4>(const __nv_bfloat16*, const uint8_t*
 // x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
 // y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64.
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
-              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split) {
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode) {
   const int n = packed.size(0), k = x.size(-1);
   const int chunks = k / 32;
   const int per = (chunks + split - 1) / split;
@@ -133,9 +149,13 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
   auto* part = split > 1 ? partial.data_ptr<float>() : nullptr;
   const int sp = packed.stride(0), ss = absmax.stride(0);
-#define LAUNCH(R)                                                                                          \
-  nf4_gemv_kernel<R><<<grid, block, 0, stream>>>(xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), \
-                                                 code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
+#define LAUNCH_MODE(R, M)                                                                                    \
+  nf4_gemv_kernel<R, M><<<grid, block, 0, stream>>>(xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), \
+                                                    code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
+#define LAUNCH(R)                     \
+  if (mode == 1) LAUNCH_MODE(R, 1);   \
+  else if (mode == 2) LAUNCH_MODE(R, 2); \
+  else LAUNCH_MODE(R, 0)
   switch (rows) {
     case 1: LAUNCH(1); break;
     case 2: LAUNCH(2); break;
@@ -144,6 +164,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     default: TORCH_CHECK(false, "rows must be 1, 2, 4 or 8");
   }
 #undef LAUNCH
+#undef LAUNCH_MODE
   if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
 }
 #endif
