@@ -65,7 +65,8 @@ case "${2:-}" in
   nf4-cuda)  # the one-row NF4 product written in CUDA C++ (bench/cuda/nf4_gemv.cu, built here by
     # torch's extension loader) against the Triton plan's launch, Gemma-3 4B projections at one row
     timeout 300 python3 -m bench.nf4_cuda --shape gemma3-4b --out "$OUT" 2>&1 | tee "$OUT/nf4-cuda.log"
-    # Nsight Compute on gate/up: the CUDA kernel, its loads alone, and the Triton one-row kernel
+    # Nsight Compute on gate/up (NCU=0: not run): the CUDA kernel, its loads alone, and the Triton one-row kernel
+    [ "${NCU:-1}" = 0 ] && exit 0
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 200 "$NCU" --clock-control none -k regex:'nf4_gemv' -s 3 -c 3 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats --section WarpStateStats \
@@ -77,8 +78,8 @@ w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device
 x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
 y = torch.empty(1, 20480, device='cuda', dtype=torch.bfloat16); part = torch.empty(1, 20480, device='cuda')
 for _ in range(2):
-    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 0)
-    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 1)
+    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 0, 0, 0)
+    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 1, 0, 0)
     nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma

@@ -27,14 +27,20 @@ from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest, 
 from engine.kernels import nf4, nf4_plan
 
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
-LAUNCHES = [(rows, warps, split) for rows in (1, 2, 4, 8) for warps in (2, 4, 8) for split in (1, 2, 4)]
+# (rows per warp, warps per block, K split, blocks per SM (0: one warp per row group, else persistent
+# warps that walk row groups with the next step's loads in flight), lookup (0 shuffles, 1 half of
+# them byte permutes; persistent only))
+LAUNCHES = ([(rows, warps, split, 0, 0) for rows in (1, 2, 4, 8) for warps in (2, 4, 8) for split in (1, 2, 4)]
+            + [(rows, warps, split, per_sm, lookup) for rows in (1, 2, 4) for warps in (4, 8) for split in (1, 2)
+               for per_sm in (2, 4, 8) for lookup in (0, 1)])
 
 
 def build():
     from torch.utils.cpp_extension import load_inline
 
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
-            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode);")
+            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
+            "int64_t blocks, int64_t lookup);")
     return load_inline("s5_bench_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv"],
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
 
@@ -53,8 +59,8 @@ def main() -> None:
     bw = copy_bandwidth("cuda") / 2
     print(f"copy bandwidth (read side) {bw / 1e9:.0f} GB/s")
     print(f"{'proj':>8} {'N x K':>13} {'triton us':>9} {'cuda us':>8} {'cuda/triton':>11} {'GB/s':>6} {'floor us':>8} "
-          f"{'bf16 us':>8}  cuda launch (rows/warp, warps, split); the same without the lookups / without "
-          f"the weight loads", flush=True)
+          f"{'bf16 us':>8}  cuda launch (rows/warp, warps, split, blocks/SM, lookup); the same without the "
+          f"lookups / without the weight loads", flush=True)
     rows_out = []
     for name, (n_out, k) in projections(a.shape).items():
         nbytes = n_out * k // 2 + n_out * k // 64 * 4
@@ -73,19 +79,22 @@ def main() -> None:
         lib_us = timed(lambda: [F.linear(x, w) for w in full], len(full))
         y = torch.empty(1, n_out, device="cuda", dtype=dtype)
         results = []
-        for rows, warps, split in LAUNCHES:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for rows, warps, split, per_sm, lookup in LAUNCHES:
             part = torch.empty(split, n_out, device="cuda", dtype=torch.float32)
 
-            def call(w, rows=rows, warps=warps, split=split, part=part, mode=0):
-                ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode)
+            def call(w, rows=rows, warps=warps, split=split, part=part, blocks=per_sm * sms, lookup=lookup, mode=0):
+                ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, lookup)
 
+            launch = {"rows_per_warp": rows, "warps": warps, "split": split, "blocks_per_sm": per_sm, "lookup": lookup}
+            y.zero_()
             call(ws[0])
             if not nf4_plan.agrees(y, want):
-                print(f"  rows {rows} warps {warps} split {split}: disagrees with the library's product")
+                print(f"  {launch}: disagrees with the library's product")
                 continue
             us = timed(lambda: [call(w) for w in ws], len(ws))
             if us:
-                results.append({"us": us, "rows_per_warp": rows, "warps": warps, "split": split, "call": call})
+                results.append({"us": us, **launch, "call": call})
         results.sort(key=lambda r: r["us"])
         for r in results[:3]:  # the same launches with one stage left out (MODE in the source)
             call = r.pop("call")
@@ -98,14 +107,21 @@ def main() -> None:
         row = {"projection": name, "out": n_out, "in": k, "triton_us": triton_us, "triton_launch": plan.get(1),
                "bf16_us": lib_us, "floor_us": floor_us, "cuda": results}
         rows_out.append(row)
+        def desc(r):
+            return (f"({r['rows_per_warp']}, {r['warps']}, {r['split']}, {r['blocks_per_sm']}, {r['lookup']}); "
+                    f"{r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}")
+
         if best:
             print(f"{name:>8} {f'{n_out}x{k}':>13} {triton_us:>9.1f} {best['us']:>8.1f} {best['us'] / triton_us:>11.2f} "
-                  f"{nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} {lib_us:>8.1f}  "
-                  f"({best['rows_per_warp']}, {best['warps']}, {best['split']}); {best['loads_only_us']:.1f} / "
-                  f"{best['lookups_only_us']:.1f}", flush=True)
+                  f"{nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} {lib_us:>8.1f}  {desc(best)}", flush=True)
             for r in results[1:3]:
-                print(f"{'':>33} {r['us']:>8.1f}  ({r['rows_per_warp']}, {r['warps']}, {r['split']}); "
-                      f"{r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}")
+                print(f"{'':>33} {r['us']:>8.1f}  {desc(r)}")
+            for kind, pick in (("one warp per row group", lambda r: r["blocks_per_sm"] == 0),
+                               ("persistent, shuffles", lambda r: r["blocks_per_sm"] and r["lookup"] == 0),
+                               ("persistent, half permutes", lambda r: r["blocks_per_sm"] and r["lookup"] == 1)):
+                r = next((r for r in results if pick(r)), None)
+                if r:
+                    print(f"{'':>12} fastest {kind}: {r['us']:.1f} us {r}")
         ws = full = []
         torch.cuda.empty_cache()
     write_result(a.out, f"nf4-cuda-gemv-{a.shape}", {

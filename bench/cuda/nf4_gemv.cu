@@ -112,6 +112,156 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
   }
 }
 
+// The 16 codes rounded to bf16 as byte tables for the permute lookup: tl the low bytes of entries
+// 0-3, 4-7, 8-11, 12-15; th their high bytes.
+__device__ __forceinline__ void code_tables(const float* __restrict__ code, uint32_t tl[4], uint32_t th[4]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t b = __bfloat16_as_ushort(__float2bfloat16(__ldg(code + 4 * w + e)));
+      lo |= (b & 0xffu) << (8 * e);
+      hi |= (b >> 8) << (8 * e);
+    }
+    tl[w] = lo;
+    th[w] = hi;
+  }
+}
+
+// The codes of the two bytes in the low 16 bits of `half` by byte permutes: c01 the first byte's
+// (its even column in the low 16 bits, its odd column in the high 16), c23 the second byte's.
+__device__ __forceinline__ void permute_codes(uint32_t half, const uint32_t tl[4], const uint32_t th[4],
+                                              uint32_t& c01, uint32_t& c23) {
+  const uint32_t s = half & 0x7777u;
+  const uint32_t m = ((half >> 1) & 0x4444u) | 0x3210u;
+  const uint32_t lo = __byte_perm(__byte_perm(tl[0], tl[1], s), __byte_perm(tl[2], tl[3], s), m);
+  const uint32_t hi = __byte_perm(__byte_perm(th[0], th[1], s), __byte_perm(th[2], th[3], s), m);
+  c01 = __byte_perm(lo, hi, 0x4051);
+  c23 = __byte_perm(lo, hi, 0x6273);
+}
+
+template <int ROWS>
+struct Step {
+  uint4 x[4];
+  uint4 w[ROWS];
+  float s[ROWS];
+};
+
+// Persistent warps: warp i of the grid takes row groups i, i + warps in grid, ...; each walks its
+// K slice 32 chunks at a time, and the next step's loads are issued before this step's lookups
+// (two steps in registers). LOOKUP 0: every code by shuffle; 1: the first two bytes of each word by
+// shuffle, the last two by byte permutes (the shuffle and the integer pipes share the work).
+template <int ROWS, int LOOKUP, int MODE>
+__global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
+    const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
+    int n, int k, int stride_p, int stride_s, int chunks_per_split) {
+  const int lane = threadIdx.x & 31;
+  const int warps = (gridDim.x * blockDim.x) >> 5;
+  const int groups = (n + ROWS - 1) / ROWS;
+  int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const float table = __ldg(code + (lane & 15));
+  uint32_t tl[4], th[4];
+  if (LOOKUP == 1) code_tables(code, tl, th);
+  const int chunks = k >> 5;
+  const int c_lo = blockIdx.y * chunks_per_split;
+  const int c_hi = min(c_lo + chunks_per_split, chunks);
+  auto load = [&](int grp, int c0, Step<ROWS>& st) {
+    const int c = c0 + lane;
+    const int cc = c < c_hi ? c : c_lo;  // a lane past the slice reads a valid chunk, scaled by zero
+    const uint4* xp = reinterpret_cast<const uint4*>(x) + (size_t)cc * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.x[i] = __ldg(xp + i);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int row = min(grp * ROWS + r, n - 1);  // rows past the last repeat it
+      if (MODE == 2) {
+        const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)row * 0x85ebca6bu;
+        st.w[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
+      } else {
+        st.w[r] = __ldg(reinterpret_cast<const uint4*>(packed + (size_t)row * stride_p) + cc);
+      }
+      st.s[r] = c < c_hi ? __ldg(absmax + (size_t)row * stride_s + (cc >> 1)) : 0.f;
+    }
+  };
+  // the same count for every warp (a warp past the last row group repeats it and stores nothing),
+  // so the compiler sees the shuffles in converged code
+  const int total = (groups + warps - 1) / warps * ((c_hi - c_lo + 31) / 32);
+  Step<ROWS> cur, nxt;
+  int c0 = c_lo;
+  load(g, c0, cur);
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int it = 0; it < total; ++it) {
+    int ng = g, nc0 = c0 + 32;
+    const bool last_step = nc0 >= c_hi;
+    if (last_step) {
+      ng = g + warps;
+      nc0 = c_lo;
+    }
+    const bool more = it + 1 < total;
+    load(more ? ng : g, more ? nc0 : c0, nxt);
+    float xe[16], xo[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w4[4] = {cur.x[i].x, cur.x[i].y, cur.x[i].z, cur.x[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        xe[4 * i + j] = lo_bf16(w4[j]);
+        xo[4 * i + j] = hi_bf16(w4[j]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint32_t q[4] = {cur.w[r].x, cur.w[r].y, cur.w[r].z, cur.w[r].w};
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (MODE == 1) {
+          sum += __uint_as_float(q[i] & 0x3fffffffu) * xe[4 * i];
+          continue;
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          if (LOOKUP == 1 && b == 2) {
+            uint32_t c01, c23;
+            permute_codes(q[i] >> 16, tl, th, c01, c23);
+            sum = fmaf(lo_bf16(c01), xe[4 * i + 2], sum);
+            sum = fmaf(hi_bf16(c01), xo[4 * i + 2], sum);
+            sum = fmaf(lo_bf16(c23), xe[4 * i + 3], sum);
+            sum = fmaf(hi_bf16(c23), xo[4 * i + 3], sum);
+            break;
+          }
+          const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
+          const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
+          sum = fmaf(hi, xe[4 * i + b], sum);
+          sum = fmaf(lo, xo[4 * i + b], sum);
+        }
+      }
+      acc[r] = fmaf(sum, cur.s[r], acc[r]);
+    }
+    if (last_step) {  // the row group's slice is done
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        const int row = g * ROWS + r;
+        if (lane == 0 && row < n) {
+          if (gridDim.y > 1) partial[(size_t)blockIdx.y * n + row] = v;
+          else y[row] = __float2bfloat16(v);
+        }
+        acc[r] = 0.f;
+      }
+    }
+    cur = nxt;
+    g = ng;
+    c0 = nc0;
+  }
+}
+
 __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat16* __restrict__ y, int n,
                                   int split) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -130,6 +280,15 @@ template __global__ void nf4_gemv_kernel<4, 1>(const __nv_bfloat16*, const uint8
                                                __nv_bfloat16*, int, int, int, int, int);
 template __global__ void nf4_gemv_kernel<4, 2>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
                                                __nv_bfloat16*, int, int, int, int, int);
+template __global__ void nf4_gemv_persistent_kernel<2, 0, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
+                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
+                                                             int);
+template __global__ void nf4_gemv_persistent_kernel<2, 1, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
+                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
+                                                             int);
+template __global__ void nf4_gemv_persistent_kernel<4, 0, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
+                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
+                                                             int);
 #endif
 }  // namespace
 
@@ -137,7 +296,8 @@ template __global__ void nf4_gemv_kernel<4, 2>(const __nv_bfloat16*, const uint8
 // x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
 // y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64.
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
-              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode) {
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
+              int64_t lookup) {
   const int n = packed.size(0), k = x.size(-1);
   const int chunks = k / 32;
   const int per = (chunks + split - 1) / split;
@@ -156,6 +316,27 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   if (mode == 1) LAUNCH_MODE(R, 1);   \
   else if (mode == 2) LAUNCH_MODE(R, 2); \
   else LAUNCH_MODE(R, 0)
+  if (blocks > 0) {  // persistent warps: `blocks` blocks (at most one warp per row group)
+    grid.x = std::min<int64_t>(blocks, grid.x);
+#define LAUNCH_P(R, L, M)                                                                                    \
+  nf4_gemv_persistent_kernel<R, L, M><<<grid, block, 0, stream>>>(                                           \
+      xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
+#define LAUNCH_PL(R, L) \
+  if (mode == 1) LAUNCH_P(R, L, 1); else if (mode == 2) LAUNCH_P(R, L, 2); else LAUNCH_P(R, L, 0)
+#define LAUNCH_PR(R) \
+  if (lookup == 1) { LAUNCH_PL(R, 1); } else { LAUNCH_PL(R, 0); }
+    switch (rows) {
+      case 1: LAUNCH_PR(1); break;
+      case 2: LAUNCH_PR(2); break;
+      case 4: LAUNCH_PR(4); break;
+      default: TORCH_CHECK(false, "persistent: rows must be 1, 2 or 4");
+    }
+#undef LAUNCH_PR
+#undef LAUNCH_PL
+#undef LAUNCH_P
+    if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
+    return;
+  }
   switch (rows) {
     case 1: LAUNCH(1); break;
     case 2: LAUNCH(2); break;
