@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-cuda-throughput|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -62,7 +62,7 @@ case "${2:-}" in
       -k "kernels_match or mma or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-mma.log" | grep -v "^\.$" | tail -14
     timeout 360 python3 -m bench.nf4_kernels --shape gemma3-4b --n 1 8 16 --sweep mma --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-kernels-mma.log" | grep -v "^ \{9\}" ;;
-  nf4-cuda)  # the one-row NF4 product written in CUDA C++ (bench/cuda/nf4_gemv.cu, built here by
+  nf4-cuda)  # the one-row NF4 product in CUDA C++ (engine/kernels/cuda/nf4_gemv.cu, built here by
     # torch's extension loader) against the Triton plan's launch, Gemma-3 4B projections at one row
     timeout 300 python3 -m bench.nf4_cuda --shape gemma3-4b --out "$OUT" 2>&1 | tee "$OUT/nf4-cuda.log"
     # Nsight Compute on gate/up (NCU=0: not run): the CUDA kernel, its loads alone, and the Triton one-row kernel
@@ -71,17 +71,24 @@ case "${2:-}" in
     timeout 200 "$NCU" --clock-control none -k regex:'nf4_gemv' -s 3 -c 3 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats --section WarpStateStats \
       python3 -c "
-import torch; from engine.kernels import nf4; from bench.nf4_cuda import build
-ext = build()
+import torch; from engine.kernels import nf4, nf4_cuda
 w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
                   torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
 x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
-y = torch.empty(1, 20480, device='cuda', dtype=torch.bfloat16); part = torch.empty(1, 20480, device='cuda')
 for _ in range(2):
-    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 0, 0, 0)
-    ext.nf4_gemv(x, w.packed, w.scales, w.code, y, part, 4, 2, 1, 1, 0, 0)
+    nf4_cuda.gemv(x, w, (4, 8, 1, 8), 132)
+    nf4_cuda.gemv(x, w, (4, 8, 1, 8), 132, mode=1)
     nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
+  nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
+    # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
+    # Triton kernels serve), same run
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-cuda.log" | grep -v "^\.$" | tail -12
+    timeout 200 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers fused \
+      --policies s5 --n 1 --no-quality --out "$OUT" --tag nf4-cuda 2>&1 | tail -12
+    CUDA_HOME=/nonexistent timeout 200 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 \
+      --weights bnb-4bit --layers fused --policies s5 --n 1 --no-quality --out "$OUT" --tag nf4-triton 2>&1 | tail -12 ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
     # kernel, stall reasons per issued instruction and pipe utilisation, side by side
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

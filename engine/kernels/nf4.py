@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import nf4_cuda
 from engine.kernels.launch import kernel_args
 
 try:
@@ -755,23 +756,25 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
            pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
     launch for the smallest planned row count >= M (without one, `launch_for`'s, lookups by
-    loads; a planned None: as for more rows); more rows dequantize W and run `F.linear`."""
+    loads; a planned None: as for more rows; a planned {"cuda": launch}: the one-row CUDA kernel
+    of nf4_cuda where it takes x); more rows dequantize W and run `F.linear`."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):
         return F.linear(x, dequantize_ref(w))
+    sms = 4  # Triton's interpreter on the CPU
+    if x.is_cuda:
+        sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     cfg = None
     if m <= MAX_KERNEL_ROWS:
         planned = [r for r in (plan or {}) if r >= m]
-        if planned:
-            cfg = plan[min(planned)]
-        else:
-            sms = 4  # Triton's interpreter on the CPU
-            if x.is_cuda:
-                sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-            cfg = launch_for(m, w.shape[0], w.shape[1], sms)
+        cfg = plan[min(planned)] if planned else launch_for(m, w.shape[0], w.shape[1], sms)
     if cfg is None:
         return F.linear(x, dequantize(w))
+    if "cuda" in cfg:  # the one-row CUDA kernel (nf4_cuda), where it takes x
+        if nf4_cuda.fits(x, w):
+            return nf4_cuda.gemv(x, w, cfg["cuda"], sms)
+        cfg = launch_for(m, w.shape[0], w.shape[1], sms)
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 
 

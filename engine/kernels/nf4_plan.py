@@ -1,12 +1,13 @@
-"""The launches of the NF4 kernel (kernels/nf4.py) per row count, timed on a model's own weights
-when a fused forward is built, and kept only where they agree with the library's product on the
-dequantized weight."""
+"""The launches of the NF4 kernels (kernels/nf4.py, and at one row the CUDA kernel of
+kernels/nf4_cuda.py) per row count, timed on a model's own weights when a fused forward is built,
+and kept only where they agree with the library's product on the dequantized weight."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import nf4_cuda
 from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_for, nf4_matmul, triton, with_split
 
 # launches `plan_nf4` times per row count (block_m, block_n, block_k, warps, stages, swap[,
@@ -48,7 +49,7 @@ def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
+def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[int, dict | None]:
     """Per planned row count (NF4_CANDIDATES), the fastest `nf4_matmul` launch on these
     same-shaped weights (a product with each in turn, as a forward runs its layers), timed from
     a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Each launch is
@@ -57,7 +58,9 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
     none of them agrees at a row count, those that load them. Above the largest planned row
     count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it agrees and beats dequantizing
     the weight for the library's product, else None (that product). Weights under
-    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone."""
+    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At one row of
+    bf16 activations the CUDA kernel's launches (nf4_cuda.CANDIDATES, where it is built and
+    `cuda`) are checked and timed beside the Triton ones, as {"cuda": launch}."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
@@ -97,6 +100,14 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None) -> dict[int, dict | None]:
             if best is not None:
                 break
             shfl = False  # the shuffle lookup disagrees (or does not compile) here: loads from now on
+        if m == 1 and cuda and n * k >= TIMED_ELEMENTS and nf4_cuda.fits(x, w0) and nf4_cuda.extension():
+            want = F.linear(x, dense)
+            for launch in nf4_cuda.CANDIDATES:
+                if not agrees(nf4_cuda.gemv(x, w0, launch, sms), want):
+                    continue
+                t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms) for w in weights], reps=3)
+                if best is None or t < best:
+                    best, plan[m] = t, {"cuda": launch}
     rows = max(NF4_CANDIDATES)
     while rows < MAX_KERNEL_ROWS:  # launch_for's tiles of 64 rows, or the weight dequantized for the library
         rows *= 2

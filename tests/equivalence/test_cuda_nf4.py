@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, Request
-from engine.kernels import launch, moe, nf4, nf4_moe, nf4_plan
+from engine.kernels import launch, moe, nf4, nf4_cuda, nf4_moe, nf4_plan
 from engine.model.loader import LoadedModel, tiny_random_model
 from engine.model.nf4_experts import NF4Experts
 from tests.helpers import greedy, run_all, tiny_gemma4
@@ -116,15 +116,59 @@ def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
     print(f"nf4 mma {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
+def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
+    """The one-row CUDA kernel (kernels/nf4_cuda.py; built where a CUDA compiler is installed):
+    its planned launches and others (1-8 weight rows per warp, one warp per row group or
+    persistent warps, K split in 1-3 slices, also slices of one chunk) on Gemma-3 4B projection
+    shapes and odd ones (rows not a multiple of a warp's, K of 64 and 448), against
+    dequantize_4bit + F.linear on the same packed weight; a planned CUDA launch on an x it does
+    not take (not 16-byte aligned) runs the Triton kernel instead; both replay from a CUDA graph."""
+    pytest.importorskip("bitsandbytes")
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
+    assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launches = list(nf4_cuda.CANDIDATES) + [(r, 2, s, 0) for r in (1, 2, 4, 8) for s in (1, 3)] + \
+        [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)]
+    worst = 0.0
+    for i, (n, k) in enumerate([(4096, 2560), (2560, 10240), (333, 448), (20480, 2560), (7, 64)]):
+        p = quantized(n, k, torch.bfloat16, 20 + i, compress_statistics=i % 2 == 0)
+        w = nf4.from_bnb(p)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        want = F.linear(x, bnb_weight(p))
+        assert nf4_cuda.fits(x, w)
+        for launch_ in launches:
+            err = rel(nf4_cuda.gemv(x, w, launch_, sms), want)
+            assert err < 1.5e-2, (n, k, launch_, err)
+            worst = max(worst, err)
+        buf = torch.randn(1, k + 1, device="cuda").to(torch.bfloat16)
+        odd = buf[:, 1:]  # 2 bytes off a 16-byte boundary
+        assert not nf4_cuda.fits(odd, w)
+        plan = {1: {"cuda": nf4_cuda.CANDIDATES[0]}}
+        assert rel(nf4.linear(odd, w, plan), F.linear(odd, bnb_weight(p))) < 1.5e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [nf4.linear(x, w, plan), nf4.linear(odd, w, plan)]
+        x.normal_()
+        odd.normal_()
+        graph.replay()
+        assert torch.equal(outs[0], nf4.linear(x, w, plan)) and torch.equal(outs[1], nf4.linear(odd, w, plan))
+    print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
+
+
 def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
     pytest.importorskip("bitsandbytes")
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
     plan = nf4_plan.plan_nf4(ws)
     assert set(nf4_plan.NF4_CANDIDATES) <= set(plan) and max(plan) == nf4.MAX_KERNEL_ROWS
-    print("plan:", {m: c and (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"], c["shfl"], c["permute"])
-                    for m, c in plan.items()})
+    print("plan:", {m: c and (c.get("cuda") or (c["block_m"], c["block_n"], c["block_k"], c["split"], c["warps"],
+                                                 c["shfl"], c["permute"])) for m, c in plan.items()})
     assert all(plan[m] is not None for m in nf4_plan.NF4_CANDIDATES)
-    assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES), "the warp-shuffle code lookup agrees on this GPU"
+    assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES if "cuda" not in plan[m]), \
+        "the warp-shuffle code lookup agrees on this GPU"
+    assert all("cuda" not in plan[m] for m in nf4_plan.NF4_CANDIDATES if m > 1), "the CUDA kernel takes one row"
     for m in (1, 5, 64, 200):  # 200: the planned kernel or the dequantized weight, captured either way
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         eager = [nf4.linear(x, w, plan) for w in ws]

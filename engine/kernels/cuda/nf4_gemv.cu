@@ -1,5 +1,7 @@
-// One row of x (bf16) against a bitsandbytes NF4 weight, written in CUDA C++ rather than Triton,
-// to measure whether the one-row product's third of the bandwidth is Triton's doing.
+// The one-row NF4 product (x one bf16 row, a decode step of one token) in CUDA C++, beside the
+// Triton kernels of kernels/nf4.py. kernels/nf4_cuda.py builds it with torch's extension loader
+// where a CUDA compiler is installed, and the NF4 plans (kernels/nf4_plan.py) time its launches
+// against the Triton ones on the model's weights and keep the fastest.
 //
 // Weight: packed bytes [N, K/2] (byte b of a row holds elements 2b in its high nibble and
 // 2b + 1 in its low one), absmax [N, K/64] float32, code table [16] float32. Each warp owns ROWS
@@ -8,7 +10,7 @@
 // up by warp shuffle: lane l holds code[l % 16], so a nibble in the low 4 bits of the shuffle's
 // lane index names its code with no masking (the bit above it lands on the table's copy in lanes
 // 16-31). Each chunk's products are summed in float32, then scaled by its group's absmax once.
-// K split over gridDim.y writes float32 partials that `sum_splits` adds in a fixed order.
+// K split over gridDim.y writes float32 partials that `sum_splits_kernel` adds in a fixed order.
 #include <cuda_bf16.h>
 #include <stdint.h>
 #ifndef NF4_KERNELS_ONLY  // the launcher, for torch's extension loader
@@ -112,35 +114,6 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
   }
 }
 
-// The 16 codes rounded to bf16 as byte tables for the permute lookup: tl the low bytes of entries
-// 0-3, 4-7, 8-11, 12-15; th their high bytes.
-__device__ __forceinline__ void code_tables(const float* __restrict__ code, uint32_t tl[4], uint32_t th[4]) {
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t b = __bfloat16_as_ushort(__float2bfloat16(__ldg(code + 4 * w + e)));
-      lo |= (b & 0xffu) << (8 * e);
-      hi |= (b >> 8) << (8 * e);
-    }
-    tl[w] = lo;
-    th[w] = hi;
-  }
-}
-
-// The codes of the two bytes in the low 16 bits of `half` by byte permutes: c01 the first byte's
-// (its even column in the low 16 bits, its odd column in the high 16), c23 the second byte's.
-__device__ __forceinline__ void permute_codes(uint32_t half, const uint32_t tl[4], const uint32_t th[4],
-                                              uint32_t& c01, uint32_t& c23) {
-  const uint32_t s = half & 0x7777u;
-  const uint32_t m = ((half >> 1) & 0x4444u) | 0x3210u;
-  const uint32_t lo = __byte_perm(__byte_perm(tl[0], tl[1], s), __byte_perm(tl[2], tl[3], s), m);
-  const uint32_t hi = __byte_perm(__byte_perm(th[0], th[1], s), __byte_perm(th[2], th[3], s), m);
-  c01 = __byte_perm(lo, hi, 0x4051);
-  c23 = __byte_perm(lo, hi, 0x6273);
-}
-
 template <int ROWS>
 struct Step {
   uint4 x[4];
@@ -150,9 +123,8 @@ struct Step {
 
 // Persistent warps: warp i of the grid takes row groups i, i + warps in grid, ...; each walks its
 // K slice 32 chunks at a time, and the next step's loads are issued before this step's lookups
-// (two steps in registers). LOOKUP 0: every code by shuffle; 1: the first two bytes of each word by
-// shuffle, the last two by byte permutes (the shuffle and the integer pipes share the work).
-template <int ROWS, int LOOKUP, int MODE>
+// (two steps in registers).
+template <int ROWS, int MODE>
 __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
@@ -162,8 +134,6 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
   const int groups = (n + ROWS - 1) / ROWS;
   int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const float table = __ldg(code + (lane & 15));
-  uint32_t tl[4], th[4];
-  if (LOOKUP == 1) code_tables(code, tl, th);
   const int chunks = k >> 5;
   const int c_lo = blockIdx.y * chunks_per_split;
   const int c_hi = min(c_lo + chunks_per_split, chunks);
@@ -225,15 +195,6 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
         }
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          if (LOOKUP == 1 && b == 2) {
-            uint32_t c01, c23;
-            permute_codes(q[i] >> 16, tl, th, c01, c23);
-            sum = fmaf(lo_bf16(c01), xe[4 * i + 2], sum);
-            sum = fmaf(hi_bf16(c01), xo[4 * i + 2], sum);
-            sum = fmaf(lo_bf16(c23), xe[4 * i + 3], sum);
-            sum = fmaf(hi_bf16(c23), xo[4 * i + 3], sum);
-            break;
-          }
           const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
           const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
           sum = fmaf(hi, xe[4 * i + b], sum);
@@ -280,27 +241,23 @@ template __global__ void nf4_gemv_kernel<4, 1>(const __nv_bfloat16*, const uint8
                                                __nv_bfloat16*, int, int, int, int, int);
 template __global__ void nf4_gemv_kernel<4, 2>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
                                                __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_persistent_kernel<2, 0, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
-                                                             int);
-template __global__ void nf4_gemv_persistent_kernel<2, 1, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
-                                                             int);
-template __global__ void nf4_gemv_persistent_kernel<4, 0, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                             const float*, float*, __nv_bfloat16*, int, int, int, int,
-                                                             int);
+template __global__ void nf4_gemv_persistent_kernel<4, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
+                                                          const float*, float*, __nv_bfloat16*, int, int, int, int,
+                                                          int);
 #endif
 }  // namespace
 
 #ifndef NF4_KERNELS_ONLY
 // x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
-// y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64.
+// y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64, rows 16-byte aligned
+// (checked by the caller). `blocks` > 0: persistent warps in that many blocks. `mode` 0: the
+// product; 1 and 2 the measurement variants above.
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
-              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
-              int64_t lookup) {
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks) {
   const int n = packed.size(0), k = x.size(-1);
   const int chunks = k / 32;
   const int per = (chunks + split - 1) / split;
+  split = (chunks + per - 1) / per;  // every slice holds a chunk: each writes its partials
   const int row_warps = (n + rows - 1) / rows;
   dim3 grid((row_warps + warps - 1) / warps, split);
   dim3 block(32 * warps);
@@ -318,13 +275,11 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   else LAUNCH_MODE(R, 0)
   if (blocks > 0) {  // persistent warps: `blocks` blocks (at most one warp per row group)
     grid.x = std::min<int64_t>(blocks, grid.x);
-#define LAUNCH_P(R, L, M)                                                                                    \
-  nf4_gemv_persistent_kernel<R, L, M><<<grid, block, 0, stream>>>(                                           \
+#define LAUNCH_P(R, M)                                                                                       \
+  nf4_gemv_persistent_kernel<R, M><<<grid, block, 0, stream>>>(                                              \
       xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
-#define LAUNCH_PL(R, L) \
-  if (mode == 1) LAUNCH_P(R, L, 1); else if (mode == 2) LAUNCH_P(R, L, 2); else LAUNCH_P(R, L, 0)
 #define LAUNCH_PR(R) \
-  if (lookup == 1) { LAUNCH_PL(R, 1); } else { LAUNCH_PL(R, 0); }
+  if (mode == 1) LAUNCH_P(R, 1); else if (mode == 2) LAUNCH_P(R, 2); else LAUNCH_P(R, 0)
     switch (rows) {
       case 1: LAUNCH_PR(1); break;
       case 2: LAUNCH_PR(2); break;
@@ -332,7 +287,6 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
       default: TORCH_CHECK(false, "persistent: rows must be 1, 2 or 4");
     }
 #undef LAUNCH_PR
-#undef LAUNCH_PL
 #undef LAUNCH_P
     if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
     return;

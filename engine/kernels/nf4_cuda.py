@@ -1,0 +1,73 @@
+"""The one-row NF4 product in CUDA C++ (kernels/cuda/nf4_gemv.cu), beside the Triton kernels of
+kernels/nf4.py: built once per machine by torch's extension loader where a CUDA compiler is
+installed (the build is cached by torch), and None where it is not, or where the build fails, so
+the engine keeps to the Triton kernels. `nf4_plan.plan_nf4` times its launches against those
+kernels on a model's own weights at one row, and keeps it only where it is faster and agrees with
+the library's product.
+
+A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
+(float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
+blocks per SM of persistent warps that keep their next step's loads in flight. It takes one bf16
+row of x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned (`fits`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
+# the launches the plans time at one row: the fastest per Gemma-3 4B projection on an H200
+# (python -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up
+CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
+              (2, 4, 1, 4))
+
+
+@functools.cache
+def extension():
+    """The built extension, or None (no CUDA device or compiler, or the build failed: logged)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        log.info("no CUDA compiler: the one-row NF4 product runs on the Triton kernels only")
+        return None
+    decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
+            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
+            "int64_t blocks);")
+    major, minor = torch.cuda.get_device_capability()
+    log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
+    try:
+        return cpp_extension.load_inline(
+            "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv"],
+            extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
+    except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
+        log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
+        return None
+
+
+def fits(x: torch.Tensor, w) -> bool:
+    """Whether the kernel takes this product: one bf16 row, 16-byte aligned, on CUDA."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and x.data_ptr() % 16 == 0 and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
+            and w.packed.data_ptr() % 16 == 0 and w.scales.stride(1) == 1 and w.code.dtype == torch.float32
+            and w.code.is_contiguous())
+
+
+def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, mode: int = 0) -> torch.Tensor:
+    """x [1, K] @ W^T -> [1, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w)` must
+    hold; `sms`: the device's multiprocessors; `mode` 1 and 2 are the source's measurement
+    variants, not the product)."""
+    rows, warps, split, per_sm = launch
+    n = w.shape[0]
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    blocks = per_sm * sms
+    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks)
+    return y
