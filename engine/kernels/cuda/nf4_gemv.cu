@@ -232,18 +232,17 @@ __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat
   y[i] = __float2bfloat16(v);
 }
 
-#ifdef NF4_KERNELS_ONLY  // each kernel once, to read its machine code without torch
-template __global__ void nf4_gemv_kernel<1, 0>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
-                                            __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_kernel<4, 0>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
-                                            __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_kernel<4, 1>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
-                                               __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_kernel<4, 2>(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*,
-                                               __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nf4_gemv_persistent_kernel<4, 0>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                          const float*, float*, __nv_bfloat16*, int, int, int, int,
-                                                          int);
+#ifdef NF4_KERNELS_ONLY  // every product kernel a launch can pick, to read their machine code without torch
+#define KERNEL_ARGS \
+  const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*, __nv_bfloat16*, int, int, int, int, int
+template __global__ void nf4_gemv_kernel<1, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_kernel<2, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_kernel<4, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_kernel<8, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_persistent_kernel<1, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_persistent_kernel<2, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
+#undef KERNEL_ARGS
 #endif
 }  // namespace
 

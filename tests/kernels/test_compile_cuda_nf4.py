@@ -1,0 +1,62 @@
+"""The one-row CUDA NF4 kernel (engine/kernels/cuda/nf4_gemv.cu) compiled for Hopper (sm_90) on the
+CPU, where a CUDA compiler is installed: every product kernel a launch can pick builds without
+spilling, and its K loop is what the source intends. The shuffles must stay in converged code
+(a loop whose trip count the compiler cannot prove warp-uniform wraps every shuffle in a
+collective sequence, four times the instructions), one shuffle per weight, one 16-byte load per
+row's chunk."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from engine.kernels import nf4_cuda
+
+pytestmark = pytest.mark.interpret
+
+NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME")
+                                else None)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if NVCC is None or not os.path.exists(NVCC):
+        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels (nf4_cuda.extension)")
+    cubin = tmp_path_factory.mktemp("nf4cuda") / "nf4_gemv.cubin"
+    out = subprocess.run([NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-DNF4_KERNELS_ONLY",
+                          "-cubin", "-o", str(cubin), str(nf4_cuda.SOURCE), "-Xptxas", "-v"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    triton = pytest.importorskip("triton", reason="Triton's nvdisasm reads the machine code (make test-kernels)")
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return out.stderr, sass
+
+
+def test_every_kernel_builds_for_sm90_without_spills(built):
+    log, _ = built
+    kernels = re.findall(r"Compiling entry function '(\S+)'", log)
+    assert sum("nf4_gemv_kernel" in k for k in kernels) == 4 and sum("persistent" in k for k in kernels) == 3
+    assert "spill stores" in log and not re.search(r"[1-9]\d* bytes spill stores", log)
+
+
+def test_the_loops_shuffle_once_per_weight_in_converged_code(built):
+    from bench.kernel_sass import loop_counts
+
+    _, sass = built
+    seen = 0
+    for part in re.split(r"\n(?=\s*\.text\.)", sass):
+        m = re.match(r"\s*\.text\.\S*nf4_gemv_(persistent_)?kernelILi(\d)ELi0E", part)  # a function's code
+        if not m:
+            continue
+        rows = int(m.group(2))
+        counts = loop_counts(part)
+        weights = 32 * rows  # one 16-byte chunk of each row per lane per step
+        assert not any("COLLECTIVE" in op or "WARPSYNC" in op for op in counts), (m.group(0), counts)
+        assert counts["SHFL.IDX"] == weights, (m.group(0), counts)
+        assert counts["LDG.E"] >= rows + 4, (m.group(0), counts)  # the rows' chunks and x's four vectors
+        assert sum(counts.values()) <= 7.5 * weights, (m.group(0), sum(counts.values()) / weights)
+        seen += 1
+    assert seen == 7
