@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-cuda-throughput|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -89,6 +89,11 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       --policies s5 --n 1 --no-quality --out "$OUT" --tag nf4-cuda 2>&1 | tail -12
     CUDA_HOME=/nonexistent timeout 200 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 \
       --weights bnb-4bit --layers fused --policies s5 --n 1 --no-quality --out "$OUT" --tag nf4-triton 2>&1 | tail -12 ;;
+  nf4-cuda-pdl)  # the one-row CUDA kernel's GPU tests (PDL launches included), then 4-bit decode at N=1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row" 2>&1 | tee "$OUT/cuda-tests-nf4-cuda-pdl.log" | grep -v "^\.$" | tail -8
+    timeout 150 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 --weights bnb-4bit --layers fused \
+      --policies s5 --n 1 --no-quality --out "$OUT" --tag nf4-cuda-pdl 2>&1 | tail -6 ;;
   nf4-mma-profile)  # Nsight Compute on Gemma-3 4B's gate/up at one row: the one-row kernel and the mma
     # kernel, stall reasons per issued instruction and pipe utilisation, side by side
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

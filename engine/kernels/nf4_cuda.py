@@ -40,7 +40,7 @@ def extension():
         return None
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
             "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
-            "int64_t blocks);")
+            "int64_t blocks, bool pdl);")
     major, minor = torch.cuda.get_device_capability()
     log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
     try:
@@ -60,14 +60,16 @@ def fits(x: torch.Tensor, w) -> bool:
             and w.code.is_contiguous())
 
 
-def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, mode: int = 0) -> torch.Tensor:
+def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: bool = False,
+         mode: int = 0) -> torch.Tensor:
     """x [1, K] @ W^T -> [1, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w)` must
-    hold; `sms`: the device's multiprocessors; `mode` 1 and 2 are the source's measurement
-    variants, not the product)."""
+    hold; `sms`: the device's multiprocessors; `pdl`: launched with PDL, as kernels/launch.py's
+    kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
+    measurement variants, not the product)."""
     rows, warps, split, per_sm = launch
     n = w.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     blocks = per_sm * sms
-    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks)
+    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, pdl)
     return y

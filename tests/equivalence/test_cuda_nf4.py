@@ -121,8 +121,9 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     its planned launches and others (1-8 weight rows per warp, one warp per row group or
     persistent warps, K split in 1-3 slices, also slices of one chunk) on Gemma-3 4B projection
     shapes and odd ones (rows not a multiple of a warp's, K of 64 and 448), against
-    dequantize_4bit + F.linear on the same packed weight; a planned CUDA launch on an x it does
-    not take (not 16-byte aligned) runs the Triton kernel instead; both replay from a CUDA graph."""
+    dequantize_4bit + F.linear on the same packed weight, with and without PDL; a planned CUDA
+    launch on an x it does not take (not 16-byte aligned) runs the Triton kernel instead; both
+    replay from a CUDA graph, launched with PDL, the second reading what the first wrote."""
     pytest.importorskip("bitsandbytes")
     from torch.utils import cpp_extension
 
@@ -130,6 +131,7 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
         pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
     assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pdl = launch.supported(torch.device("cuda"))
     launches = list(nf4_cuda.CANDIDATES) + [(r, 2, s, 0) for r in (1, 2, 4, 8) for s in (1, 3)] + \
         [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)]
     worst = 0.0
@@ -143,18 +145,22 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
             err = rel(nf4_cuda.gemv(x, w, launch_, sms), want)
             assert err < 1.5e-2, (n, k, launch_, err)
             worst = max(worst, err)
+        for launch_ in nf4_cuda.CANDIDATES:  # launched with PDL, as the fused forward launches them
+            assert torch.equal(nf4_cuda.gemv(x, w, launch_, sms, pdl), nf4_cuda.gemv(x, w, launch_, sms))
         buf = torch.randn(1, k + 1, device="cuda").to(torch.bfloat16)
         odd = buf[:, 1:]  # 2 bytes off a 16-byte boundary
         assert not nf4_cuda.fits(odd, w)
         plan = {1: {"cuda": nf4_cuda.CANDIDATES[0]}}
         assert rel(nf4.linear(odd, w, plan), F.linear(odd, bnb_weight(p))) < 1.5e-2
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = [nf4.linear(x, w, plan), nf4.linear(odd, w, plan)]
+        with torch.cuda.graph(graph):  # the CUDA launch between PDL-launched Triton ones, as in a forward
+            outs = [nf4.linear(x, w, plan, pdl), nf4.linear(odd, w, plan, pdl)]
+            outs.append(nf4.linear(outs[1][:, :k] if n >= k else x, w, plan, pdl))
         x.normal_()
         odd.normal_()
         graph.replay()
         assert torch.equal(outs[0], nf4.linear(x, w, plan)) and torch.equal(outs[1], nf4.linear(odd, w, plan))
+        assert torch.equal(outs[2], nf4.linear(outs[1][:, :k] if n >= k else x, w, plan))
     print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 

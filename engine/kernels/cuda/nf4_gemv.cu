@@ -14,11 +14,21 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #ifndef NF4_KERNELS_ONLY  // the launcher, for torch's extension loader
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/types.h>
 #endif
 
 namespace {
+
+// Launched with PDL (programmatic dependent launch), a kernel may start while the one before it
+// in the stream still runs: it waits here for that kernel's writes before touching memory a kernel
+// of the step writes, and lets the next kernel be scheduled. Without PDL both are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -31,6 +41,7 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
     int n, int k, int stride_p, int stride_s, int chunks_per_split) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int row0 = warp * ROWS;
@@ -129,6 +140,7 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
     int n, int k, int stride_p, int stride_s, int chunks_per_split) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int warps = (gridDim.x * blockDim.x) >> 5;
   const int groups = (n + ROWS - 1) / ROWS;
@@ -225,6 +237,7 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
 
 __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat16* __restrict__ y, int n,
                                   int split) {
+  pdl_enter();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   float v = 0.f;
@@ -247,58 +260,69 @@ template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
 }  // namespace
 
 #ifndef NF4_KERNELS_ONLY
+using Kernel = void (*)(const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*, __nv_bfloat16*, int,
+                        int, int, int, int);
+
+template <int R>
+Kernel pick(bool persistent, int64_t mode) {
+  if (persistent) {
+    if constexpr (R <= 4) {
+      return mode == 1 ? nf4_gemv_persistent_kernel<R, 1>
+                       : mode == 2 ? nf4_gemv_persistent_kernel<R, 2> : nf4_gemv_persistent_kernel<R, 0>;
+    }
+    TORCH_CHECK(false, "persistent warps take 1, 2 or 4 rows");
+  }
+  return mode == 1 ? nf4_gemv_kernel<R, 1> : mode == 2 ? nf4_gemv_kernel<R, 2> : nf4_gemv_kernel<R, 0>;
+}
+
+template <typename... Args>
+void launch(void (*kernel)(Args...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  TORCH_CHECK(err == cudaSuccess, "NF4 kernel launch failed: ", cudaGetErrorString(err));
+}
+
 // x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
 // y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64, rows 16-byte aligned
 // (checked by the caller). `blocks` > 0: persistent warps in that many blocks. `mode` 0: the
-// product; 1 and 2 the measurement variants above.
+// product; 1 and 2 the measurement variants above. `pdl`: launched with PDL (compute capability
+// 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
-              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks) {
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
+              bool pdl) {
   const int n = packed.size(0), k = x.size(-1);
   const int chunks = k / 32;
   const int per = (chunks + split - 1) / split;
   split = (chunks + per - 1) / per;  // every slice holds a chunk: each writes its partials
   const int row_warps = (n + rows - 1) / rows;
   dim3 grid((row_warps + warps - 1) / warps, split);
-  dim3 block(32 * warps);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
-  auto* part = split > 1 ? partial.data_ptr<float>() : nullptr;
-  const int sp = packed.stride(0), ss = absmax.stride(0);
-#define LAUNCH_MODE(R, M)                                                                                    \
-  nf4_gemv_kernel<R, M><<<grid, block, 0, stream>>>(xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), \
-                                                    code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
-#define LAUNCH(R)                     \
-  if (mode == 1) LAUNCH_MODE(R, 1);   \
-  else if (mode == 2) LAUNCH_MODE(R, 2); \
-  else LAUNCH_MODE(R, 0)
-  if (blocks > 0) {  // persistent warps: `blocks` blocks (at most one warp per row group)
-    grid.x = std::min<int64_t>(blocks, grid.x);
-#define LAUNCH_P(R, M)                                                                                       \
-  nf4_gemv_persistent_kernel<R, M><<<grid, block, 0, stream>>>(                                              \
-      xp, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), part, yp, n, k, sp, ss, per)
-#define LAUNCH_PR(R) \
-  if (mode == 1) LAUNCH_P(R, 1); else if (mode == 2) LAUNCH_P(R, 2); else LAUNCH_P(R, 0)
-    switch (rows) {
-      case 1: LAUNCH_PR(1); break;
-      case 2: LAUNCH_PR(2); break;
-      case 4: LAUNCH_PR(4); break;
-      default: TORCH_CHECK(false, "persistent: rows must be 1, 2 or 4");
-    }
-#undef LAUNCH_PR
-#undef LAUNCH_P
-    if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
-    return;
-  }
+  if (blocks > 0) grid.x = std::min<int64_t>(blocks, grid.x);  // persistent warps in `blocks` blocks
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Kernel kernel = nullptr;
   switch (rows) {
-    case 1: LAUNCH(1); break;
-    case 2: LAUNCH(2); break;
-    case 4: LAUNCH(4); break;
-    case 8: LAUNCH(8); break;
+    case 1: kernel = pick<1>(blocks > 0, mode); break;
+    case 2: kernel = pick<2>(blocks > 0, mode); break;
+    case 4: kernel = pick<4>(blocks > 0, mode); break;
+    case 8: kernel = pick<8>(blocks > 0, mode); break;
     default: TORCH_CHECK(false, "rows must be 1, 2, 4 or 8");
   }
-#undef LAUNCH
-#undef LAUNCH_MODE
-  if (split > 1) sum_splits_kernel<<<(n + 255) / 256, 256, 0, stream>>>(part, yp, n, split);
+  float* part = split > 1 ? partial.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  launch(kernel, grid, dim3(32 * warps), stream, pdl, reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+         static_cast<const uint8_t*>(packed.data_ptr<uint8_t>()), static_cast<const float*>(absmax.data_ptr<float>()),
+         static_cast<const float*>(code.data_ptr<float>()), part, yp, n, k, static_cast<int>(packed.stride(0)),
+         static_cast<int>(absmax.stride(0)), per);
+  if (split > 1) {
+    launch(sum_splits_kernel, dim3((n + 255) / 256), dim3(256), stream, pdl, static_cast<const float*>(part), yp, n,
+           static_cast<int>(split));
+  }
 }
 #endif
