@@ -33,85 +33,84 @@ __device__ __forceinline__ void pdl_enter() {
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// One step of a warp: each lane's 16-byte chunk of x (32 values) and of each of ROWS weight rows,
+// and the absmax of that chunk's group per row.
+template <int ROWS>
+struct Step {
+  uint4 x[4];
+  uint4 w[ROWS];
+  float s[ROWS];
+};
+
 // MODE 0: the product. To place the time, two variants that leave one stage out (their output
 // is not the product): 1, the loads alone (each word's bits summed, no lookup); 2, the lookups
 // and products alone (the weight words made up from the chunk index, no weight load).
+
+// Chunk c of rows row0 .. row0 + ROWS - 1 (rows past the last repeat it and are not stored); a
+// lane past the slice [c_lo, c_hi) reads chunk c_lo and scales it by zero.
 template <int ROWS, int MODE>
-__global__ void __launch_bounds__(256) nf4_gemv_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
-    const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
-    int n, int k, int stride_p, int stride_s, int chunks_per_split) {
-  pdl_enter();
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int row0 = warp * ROWS;
-  if (row0 >= n) return;  // whole warps leave together: the shuffles below see full warps
-  const float table = __ldg(code + (lane & 15));
-  const int chunks = k >> 5;
-  const int c_lo = blockIdx.y * chunks_per_split;
-  const int c_hi = min(c_lo + chunks_per_split, chunks);
-  const uint8_t* prow[ROWS];
-  const float* srow[ROWS];
+__device__ __forceinline__ void load_step(Step<ROWS>& st, const __nv_bfloat16* __restrict__ x,
+                                          const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
+                                          int row0, int n, int c, int c_lo, int c_hi, int stride_p, int stride_s) {
+  const bool ok = c < c_hi;
+  const int cc = ok ? c : c_lo;
+  const uint4* xp = reinterpret_cast<const uint4*>(x) + (size_t)cc * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) st.x[i] = __ldg(xp + i);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const int row = min(row0 + r, n - 1);  // rows past the last repeat it and are not stored
-    prow[r] = packed + (size_t)row * stride_p;
-    srow[r] = absmax + (size_t)row * stride_s;
-  }
-  float acc[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-  for (int c0 = c_lo; c0 < c_hi; c0 += 32) {
-    const int c = c0 + lane;
-    const bool ok = c < c_hi;
-    const int cc = ok ? c : c_lo;  // a lane past the slice reads a valid chunk and scales it by zero
-    uint4 xv[4];
-    uint4 wv[ROWS];
-    float s[ROWS];
-    const uint4* xp = reinterpret_cast<const uint4*>(x) + (size_t)cc * 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xv[i] = __ldg(xp + i);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (MODE == 2) {
-        const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)r * 0x85ebca6bu;
-        wv[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
-      } else {
-        wv[r] = __ldg(reinterpret_cast<const uint4*>(prow[r]) + cc);
-      }
-      s[r] = ok ? __ldg(srow[r] + (cc >> 1)) : 0.f;
+    const int row = min(row0 + r, n - 1);
+    if (MODE == 2) {
+      const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)row * 0x85ebca6bu;
+      st.w[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
+    } else {
+      st.w[r] = __ldg(reinterpret_cast<const uint4*>(packed + (size_t)row * stride_p) + cc);
     }
-    float xe[16], xo[16];
+    st.s[r] = ok ? __ldg(absmax + (size_t)row * stride_s + (cc >> 1)) : 0.f;
+  }
+}
+
+// acc[r] += (row r's chunk . x's chunk) x the group's absmax: the codes by warp shuffle from
+// `table` (this lane's code[lane % 16]), the chunk's products summed in float32 first.
+template <int ROWS, int MODE>
+__device__ __forceinline__ void add_products(const Step<ROWS>& st, float table, float (&acc)[ROWS]) {
+  float xe[16], xo[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w4[4] = {st.x[i].x, st.x[i].y, st.x[i].z, st.x[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      xe[4 * i + j] = lo_bf16(w4[j]);
+      xo[4 * i + j] = hi_bf16(w4[j]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const uint32_t q[4] = {st.w[r].x, st.w[r].y, st.w[r].z, st.w[r].w};
+    float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t w4[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+      if (MODE == 1) {
+        sum += __uint_as_float(q[i] & 0x3fffffffu) * xe[4 * i];
+        continue;
+      }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        xe[4 * i + j] = lo_bf16(w4[j]);
-        xo[4 * i + j] = hi_bf16(w4[j]);
+      for (int b = 0; b < 4; ++b) {
+        const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
+        const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
+        sum = fmaf(hi, xe[4 * i + b], sum);
+        sum = fmaf(lo, xo[4 * i + b], sum);
       }
     }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const uint32_t q[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (MODE == 1) {
-          sum += __uint_as_float(q[i] & 0x3fffffffu) * xe[4 * i];
-          continue;
-        }
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
-          const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
-          sum = fmaf(hi, xe[4 * i + b], sum);
-          sum = fmaf(lo, xo[4 * i + b], sum);
-        }
-      }
-      acc[r] = fmaf(sum, s[r], acc[r]);
-    }
+    acc[r] = fmaf(sum, st.s[r], acc[r]);
   }
+}
+
+// Each row's sum over the warp's lanes, stored by lane 0 (float32 partials of this K slice when
+// K is split), and acc cleared.
+template <int ROWS>
+__device__ __forceinline__ void store_rows(float (&acc)[ROWS], int row0, int n, int lane,
+                                           float* __restrict__ partial, __nv_bfloat16* __restrict__ y) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     float v = acc[r];
@@ -122,15 +121,33 @@ __global__ void __launch_bounds__(256) nf4_gemv_kernel(
       if (gridDim.y > 1) partial[(size_t)blockIdx.y * n + row] = v;
       else y[row] = __float2bfloat16(v);
     }
+    acc[r] = 0.f;
   }
 }
 
-template <int ROWS>
-struct Step {
-  uint4 x[4];
-  uint4 w[ROWS];
-  float s[ROWS];
-};
+// One warp per row group: warp i takes rows i ROWS .. i ROWS + ROWS - 1 over its K slice.
+template <int ROWS, int MODE>
+__global__ void __launch_bounds__(256) nf4_gemv_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
+    const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
+    int n, int k, int stride_p, int stride_s, int chunks_per_split) {
+  pdl_enter();
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * ROWS;
+  if (row0 >= n) return;  // whole warps leave together: the shuffles below see full warps
+  const float table = __ldg(code + (lane & 15));
+  const int c_lo = blockIdx.y * chunks_per_split;
+  const int c_hi = min(c_lo + chunks_per_split, k >> 5);
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int c0 = c_lo; c0 < c_hi; c0 += 32) {
+    Step<ROWS> st;
+    load_step<ROWS, MODE>(st, x, packed, absmax, row0, n, c0 + lane, c_lo, c_hi, stride_p, stride_s);
+    add_products<ROWS, MODE>(st, table, acc);
+  }
+  store_rows<ROWS>(acc, row0, n, lane, partial, y);
+}
 
 // Persistent warps: warp i of the grid takes row groups i, i + warps in grid, ...; each walks its
 // K slice 32 chunks at a time, and the next step's loads are issued before this step's lookups
@@ -146,33 +163,14 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
   const int groups = (n + ROWS - 1) / ROWS;
   int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const float table = __ldg(code + (lane & 15));
-  const int chunks = k >> 5;
   const int c_lo = blockIdx.y * chunks_per_split;
-  const int c_hi = min(c_lo + chunks_per_split, chunks);
-  auto load = [&](int grp, int c0, Step<ROWS>& st) {
-    const int c = c0 + lane;
-    const int cc = c < c_hi ? c : c_lo;  // a lane past the slice reads a valid chunk, scaled by zero
-    const uint4* xp = reinterpret_cast<const uint4*>(x) + (size_t)cc * 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) st.x[i] = __ldg(xp + i);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int row = min(grp * ROWS + r, n - 1);  // rows past the last repeat it
-      if (MODE == 2) {
-        const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)row * 0x85ebca6bu;
-        st.w[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
-      } else {
-        st.w[r] = __ldg(reinterpret_cast<const uint4*>(packed + (size_t)row * stride_p) + cc);
-      }
-      st.s[r] = c < c_hi ? __ldg(absmax + (size_t)row * stride_s + (cc >> 1)) : 0.f;
-    }
-  };
+  const int c_hi = min(c_lo + chunks_per_split, k >> 5);
   // the same count for every warp (a warp past the last row group repeats it and stores nothing),
   // so the compiler sees the shuffles in converged code
   const int total = (groups + warps - 1) / warps * ((c_hi - c_lo + 31) / 32);
   Step<ROWS> cur, nxt;
   int c0 = c_lo;
-  load(g, c0, cur);
+  load_step<ROWS, MODE>(cur, x, packed, absmax, g * ROWS, n, c0 + lane, c_lo, c_hi, stride_p, stride_s);
   float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
@@ -184,51 +182,10 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
       nc0 = c_lo;
     }
     const bool more = it + 1 < total;
-    load(more ? ng : g, more ? nc0 : c0, nxt);
-    float xe[16], xo[16];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t w4[4] = {cur.x[i].x, cur.x[i].y, cur.x[i].z, cur.x[i].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        xe[4 * i + j] = lo_bf16(w4[j]);
-        xo[4 * i + j] = hi_bf16(w4[j]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const uint32_t q[4] = {cur.w[r].x, cur.w[r].y, cur.w[r].z, cur.w[r].w};
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (MODE == 1) {
-          sum += __uint_as_float(q[i] & 0x3fffffffu) * xe[4 * i];
-          continue;
-        }
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const float hi = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b + 4)));
-          const float lo = __shfl_sync(0xffffffffu, table, (int)(q[i] >> (8 * b)));
-          sum = fmaf(hi, xe[4 * i + b], sum);
-          sum = fmaf(lo, xo[4 * i + b], sum);
-        }
-      }
-      acc[r] = fmaf(sum, cur.s[r], acc[r]);
-    }
-    if (last_step) {  // the row group's slice is done
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        float v = acc[r];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        const int row = g * ROWS + r;
-        if (lane == 0 && row < n) {
-          if (gridDim.y > 1) partial[(size_t)blockIdx.y * n + row] = v;
-          else y[row] = __float2bfloat16(v);
-        }
-        acc[r] = 0.f;
-      }
-    }
+    load_step<ROWS, MODE>(nxt, x, packed, absmax, (more ? ng : g) * ROWS, n, (more ? nc0 : c0) + lane, c_lo, c_hi,
+                          stride_p, stride_s);
+    add_products<ROWS, MODE>(cur, table, acc);
+    if (last_step) store_rows<ROWS>(acc, g * ROWS, n, lane, partial, y);  // the row group's slice is done
     cur = nxt;
     g = ng;
     c0 = nc0;
