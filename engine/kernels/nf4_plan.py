@@ -103,7 +103,10 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
         if m == 1 and cuda and n * k >= TIMED_ELEMENTS and nf4_cuda.fits(x, w0) and nf4_cuda.extension():
             want = F.linear(x, dense)
             for launch in nf4_cuda.CANDIDATES:
-                if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl), want):
+                try:
+                    if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl), want):
+                        continue
+                except RuntimeError:  # a launch this GPU refuses (resources)
                     continue
                 t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms, pdl) for w in weights], reps=3)
                 if best is None or t < best:
