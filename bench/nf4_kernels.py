@@ -1,6 +1,7 @@
 """The NF4 products of a decode step, measured on the GPU: per projection of a BENCH.md shape
 (QKV, O, gate/up, down) and row count, the engine's fused dequantize-and-multiply kernel with
-its timed plan (kernels/nf4.py), bitsandbytes' own `Linear4bit` forward on the same packed
+its timed plan (kernels/nf4.py; at one row the CUDA kernel of kernels/nf4_cuda.py where it is built
+and faster), bitsandbytes' own `Linear4bit` forward on the same packed
 weights, and the library product on the weights dequantized to the compute dtype (what a
 full-precision model reads), each in us per product and GB/s of the bytes it must read, beside
 the measured copy bandwidth. Every candidate is timed from a CUDA graph that cycles over copies

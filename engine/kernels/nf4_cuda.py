@@ -53,8 +53,10 @@ def extension():
 
 
 def fits(x: torch.Tensor, w) -> bool:
-    """Whether the kernel takes this product: one bf16 row, 16-byte aligned, on CUDA."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+    """Whether the kernel takes this product: one bf16 row, 16-byte aligned, on the weight's CUDA
+    device."""
+    return (x.is_cuda and x.device == w.packed.device == w.scales.device == w.code.device
+            and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
             and x.data_ptr() % 16 == 0 and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
             and w.packed.data_ptr() % 16 == 0 and w.scales.stride(1) == 1 and w.code.dtype == torch.float32
             and w.code.is_contiguous())

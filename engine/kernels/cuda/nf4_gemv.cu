@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #ifndef NF4_KERNELS_ONLY  // the launcher, for torch's extension loader
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/types.h>
 #endif
@@ -244,7 +245,10 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, cudaStream_t stream,
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
-  TORCH_CHECK(err == cudaSuccess, "NF4 kernel launch failed: ", cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // cleared, so that the next launch in the process does not report it
+    TORCH_CHECK(false, "NF4 kernel launch failed: ", cudaGetErrorString(err));
+  }
 }
 
 // x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
@@ -262,6 +266,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   const int row_warps = (n + rows - 1) / rows;
   dim3 grid((row_warps + warps - 1) / warps, split);
   if (blocks > 0) grid.x = std::min<int64_t>(blocks, grid.x);  // persistent warps in `blocks` blocks
+  const c10::cuda::CUDAGuard guard(x.device());  // x's device and its current stream
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Kernel kernel = nullptr;
   switch (rows) {
