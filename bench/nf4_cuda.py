@@ -15,12 +15,11 @@ The kernel is built by torch's extension loader (nvcc and ninja needed).
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
-from bench.nf4_kernels import ROTATE_BYTES, projections, timed
+from bench.nf4_kernels import nf4_bytes, projections, timed, weight_copies
 from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest, write_result
 from engine.kernels import nf4, nf4_cuda, nf4_plan
 
@@ -34,7 +33,6 @@ LAUNCHES = ([(rows, warps, split, 0) for rows in (1, 2, 4, 8) for warps in (2, 4
 @torch.no_grad()
 def main() -> None:
     import bitsandbytes as bnb
-    from bitsandbytes.functional import quantize_4bit
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
@@ -50,21 +48,13 @@ def main() -> None:
           f"lookups / without the weight loads", flush=True)
     rows_out = []
     for name, (n_out, k) in projections(a.shape).items():
-        nbytes = n_out * k // 2 + n_out * k // 64 * 4
-        copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
-        ws = []
-        for _ in range(copies):
-            packed, state = quantize_4bit((torch.randn(n_out, k, device="cuda") * 0.02).to(dtype), blocksize=64,
-                                          quant_type="nf4", compress_statistics=True)
-            p = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", bnb_quantized=True)
-            ws.append(nf4.from_bnb(p))
-        full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n_out * k * 2)))]]
+        nbytes = nf4_bytes(n_out, k)
+        _, ws, full = weight_copies(n_out, k, dtype)
         plan = nf4_plan.plan_nf4(ws, cuda=False)  # the Triton kernels alone
         x = torch.randn(1, k, device="cuda").to(dtype)
         want = F.linear(x, full[0])
         triton_us = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))
         lib_us = timed(lambda: [F.linear(x, w) for w in full], len(full))
-        y = torch.empty(1, n_out, device="cuda", dtype=dtype)
         results = []
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for launch in LAUNCHES:

@@ -110,10 +110,34 @@ def sweep(x: torch.Tensor, ws: list, dense: torch.Tensor, grid: str = "grid") ->
     return sorted(out, key=lambda r: r["us"])
 
 
+def nf4_bytes(n: int, k: int) -> int:
+    """The bytes an [n, k] NF4 weight's product must read: packed codes and float32 absmax."""
+    return n * k // 2 + n * k // 64 * 4
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype) -> tuple[list, list, list]:
+    """Random [n, k] weights quantized to NF4 on the GPU as bitsandbytes' Linear4bit holds them,
+    enough copies (ROTATE_BYTES or more) that a graph cycling over them reads from DRAM: the
+    Linear4bit modules, their `nf4.NF4Weight` views, and enough of them dequantized to `dtype`."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import quantize_4bit
+
+    mods = []
+    for _ in range(max(2, math.ceil(ROTATE_BYTES / nf4_bytes(n, k)))):
+        packed, state = quantize_4bit((torch.randn(n, k, device="cuda") * 0.02).to(dtype), blocksize=64,
+                                      quant_type="nf4", compress_statistics=True)
+        lin = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=dtype, quant_type="nf4", device="meta")
+        lin.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4",
+                                       bnb_quantized=True)
+        mods.append(lin)
+    ws = [nf4.from_bnb(m.weight) for m in mods]
+    full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))]]
+    return mods, ws, full
+
+
 @torch.no_grad()
 def main() -> None:
     import bitsandbytes as bnb
-    from bitsandbytes.functional import quantize_4bit
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
@@ -129,18 +153,8 @@ def main() -> None:
     print(f"{'proj':>8} {'N x K':>13} {'n':>3} {'nf4 us':>8} {'GB/s':>6} {'bnb us':>8} {'bf16 us':>8} "
           f"{'vs bnb':>7} {'vs bf16':>7}  launch", flush=True)
     for name, (n_out, k) in projections(a.shape).items():
-        nbytes = n_out * k // 2 + n_out * k // 64 * 4
-        copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
-        mods = []
-        for c in range(copies):  # quantized on the GPU, as bitsandbytes' Linear4bit holds them
-            packed, state = quantize_4bit((torch.randn(n_out, k, device="cuda") * 0.02).to(dtype), blocksize=64,
-                                          quant_type="nf4", compress_statistics=True)
-            lin = bnb.nn.Linear4bit(k, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", device="meta")
-            lin.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4",
-                                           bnb_quantized=True)
-            mods.append(lin)
-        ws = [nf4.from_bnb(m.weight) for m in mods]
-        full = [nf4.dequantize(w) for w in ws[:max(2, math.ceil(ROTATE_BYTES / (n_out * k * 2)))]]
+        nbytes = nf4_bytes(n_out, k)
+        mods, ws, full = weight_copies(n_out, k, dtype)
         plan = nf4_plan.plan_nf4(ws)
         for m in a.n:
             x = torch.randn(m, k, device="cuda").to(dtype)
