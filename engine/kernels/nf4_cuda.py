@@ -71,7 +71,7 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     rows, warps, split, per_sm = launch
     n = w.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y  # y: not read
     blocks = per_sm * sms
     extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, pdl)
     return y
