@@ -1,11 +1,12 @@
 """The one-row NF4 product in CUDA C++ (engine/kernels/cuda/nf4_gemv.cu, kernels/nf4_cuda.py)
 against the engine's Triton kernels on the same weights: a grid of its launches (weight rows per
-warp, warps per block, K split, one warp per row group or persistent warps) per Gemma-3
-projection at one row, checked against the library's product on the dequantized weight, beside
+warp, warps per block, K split, one warp per row group, persistent warps, or tiles of 16 rows on
+tensor cores) per Gemma-3 projection at one row, checked against the library's product on the dequantized weight, beside
 the Triton-only plan's launch and the bf16 library product, timed the way `bench.nf4_kernels`
 times them (CUDA graphs over copies of the weights, 128 MB or more, so none is served from L2).
-The fastest launches are timed again with one stage left out (the source's MODE): the loads
-alone, and the lookups and products alone, so the difference says where the time goes.
+The fastest launches of 1-8 rows per warp are timed again with one stage left out (the source's
+MODE): the loads alone, and the lookups and products alone, so the difference says where the time
+goes.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--out bench/results]
 
@@ -25,9 +26,11 @@ from engine.kernels import nf4, nf4_cuda, nf4_plan
 
 # (weight rows per warp, warps per block, K split, blocks per SM: 0 for one warp per row group,
 # else persistent warps that walk row groups with the next step's loads in flight)
+# and tiles of 16 rows on tensor cores, one block per SM, K split 0 (to fill every warp once) or as given
 LAUNCHES = ([(rows, warps, split, 0) for rows in (1, 2, 4, 8) for warps in (2, 4, 8) for split in (1, 2, 4)]
             + [(rows, warps, split, per_sm) for rows in (1, 2, 4) for warps in (4, 8) for split in (1, 2)
-               for per_sm in (2, 4, 8)])
+               for per_sm in (2, 4, 8)]
+            + [(16, warps, split, 1) for warps in (8, 16, 24) for split in (0, 1, 2, 3, 4, 8, 16)])
 
 
 @torch.no_grad()
@@ -58,6 +61,8 @@ def main() -> None:
         results = []
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for launch in LAUNCHES:
+            if not nf4_cuda.fits(x, ws[0], launch):
+                continue
             got = nf4_cuda.gemv(x, ws[0], launch, sms)
             desc = dict(zip(("rows_per_warp", "warps", "split", "blocks_per_sm"), launch))
             if not nf4_plan.agrees(got, want):
@@ -67,7 +72,8 @@ def main() -> None:
             if us:
                 results.append({"us": us, **desc, "launch": launch})
         results.sort(key=lambda r: r["us"])
-        for r in results[:3]:  # the same launches with one stage left out (MODE in the source)
+        for r in [r for r in results if r["rows_per_warp"] != nf4_cuda.TILE_ROWS][:3]:
+            # the same launches with one stage left out (MODE in the source; rows 1-8)
             launch = r["launch"]
             r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
             r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))
@@ -77,6 +83,8 @@ def main() -> None:
                "bf16_us": lib_us, "floor_us": floor_us, "cuda": results}
         rows_out.append(row)
         def desc(r):
+            if "loads_only_us" not in r:
+                return f"{r['launch']}"
             return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}"
 
         if best:
@@ -84,8 +92,10 @@ def main() -> None:
                   f"{nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} {lib_us:>8.1f}  {desc(best)}", flush=True)
             for r in results[1:3]:
                 print(f"{'':>33} {r['us']:>8.1f}  {desc(r)}")
+            tile = nf4_cuda.TILE_ROWS
             for kind, pick in (("one warp per row group", lambda r: r["blocks_per_sm"] == 0),
-                               ("persistent warps", lambda r: r["blocks_per_sm"] > 0)):
+                               ("persistent warps", lambda r: r["blocks_per_sm"] > 0 and r["rows_per_warp"] != tile),
+                               ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile)):
                 r = next((r for r in results if pick(r)), None)
                 if r:
                     print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {r['launch']}")

@@ -772,7 +772,7 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     if cfg is None:
         return F.linear(x, dequantize(w))
     if "cuda" in cfg:  # the one-row CUDA kernel (nf4_cuda), where it takes x
-        if nf4_cuda.fits(x, w):
+        if nf4_cuda.fits(x, w, cfg["cuda"]):
             return nf4_cuda.gemv(x, w, cfg["cuda"], sms, pdl)
         cfg = launch_for(m, w.shape[0], w.shape[1], sms)
     return nf4_matmul(x, w, **cfg, pdl=pdl)

@@ -7,8 +7,11 @@ the library's product.
 
 A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
 (float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
-blocks per SM of persistent warps that keep their next step's loads in flight. It takes one bf16
-row of x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned (`fits`).
+blocks per SM of persistent warps that keep their next step's loads in flight. Rows 1-8 multiply
+on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores, each byte's
+two codes looked up at once from a table in shared memory (one block per SM; split 0: the K slices
+that spread the work over the warps best). It takes one bf16 row of x whose 16-byte chunks are aligned, and
+the weight's rows 16-byte aligned (`fits`; tiles also K a multiple of 256).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
 # the launches the plans time at one row: the fastest per Gemma-3 4B projection on an H200
-# (python -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up
+# (python -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up;
+# tiles on tensor cores with 8, 16 and 24 warps per SM
 CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
-              (2, 4, 1, 4))
+              (2, 4, 1, 4), (16, 8, 0, 1), (16, 16, 0, 1), (16, 24, 0, 1))
+TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
+TILE_K = 256  # their K must be a multiple of this
 
 
 @functools.cache
@@ -52,9 +58,11 @@ def extension():
         return None
 
 
-def fits(x: torch.Tensor, w) -> bool:
-    """Whether the kernel takes this product: one bf16 row, 16-byte aligned, on the weight's CUDA
-    device."""
+def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) -> bool:
+    """Whether the kernel takes this product (with `launch`, where given): one bf16 row, 16-byte
+    aligned, on the weight's CUDA device."""
+    if launch is not None and launch[0] == TILE_ROWS and x.shape[-1] % TILE_K:
+        return False
     return (x.is_cuda and x.device == w.packed.device == w.scales.device == w.code.device
             and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
             and x.data_ptr() % 16 == 0 and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
@@ -71,7 +79,8 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     rows, warps, split, per_sm = launch
     n = w.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y  # y: not read
+    # y where no partials are read; tiles allocate theirs (their split is chosen in the kernel's launcher)
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 and rows != TILE_ROWS else y
     blocks = per_sm * sms
     extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, pdl)
     return y

@@ -103,6 +103,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
         if m == 1 and cuda and n * k >= TIMED_ELEMENTS and nf4_cuda.fits(x, w0) and nf4_cuda.extension():
             want = F.linear(x, dense)
             for launch in nf4_cuda.CANDIDATES:
+                if not nf4_cuda.fits(x, w0, launch):
+                    continue
                 try:
                     if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl), want):
                         continue

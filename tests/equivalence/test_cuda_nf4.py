@@ -119,11 +119,13 @@ def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
 def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     """The one-row CUDA kernel (kernels/nf4_cuda.py; built where a CUDA compiler is installed):
     its planned launches and others (1-8 weight rows per warp, one warp per row group or
-    persistent warps, K split in 1-3 slices, also slices of one chunk) on Gemma-3 4B projection
-    shapes and odd ones (rows not a multiple of a warp's, K of 64 and 448), against
-    dequantize_4bit + F.linear on the same packed weight, with and without PDL; a planned CUDA
-    launch on an x it does not take (not 16-byte aligned) runs the Triton kernel instead; both
-    replay from a CUDA graph, launched with PDL, the second reading what the first wrote."""
+    persistent warps, K split in 1-3 slices, also slices of one chunk; tiles of 16 rows on tensor
+    cores in 1-24 warps per block, K split 1-40 ways) on Gemma-3 4B projection shapes and odd ones
+    (rows not a multiple of a warp's or a tile's, K of 64, 448 and 768), against dequantize_4bit +
+    F.linear on the same packed weight, with and without PDL; a planned CUDA launch on an x it
+    does not take (not 16-byte aligned, or K not a multiple of 256 for tiles) runs the Triton
+    kernel instead; planned launches replay from a CUDA graph, launched with PDL, the second
+    reading what the first wrote."""
     pytest.importorskip("bitsandbytes")
     from torch.utils import cpp_extension
 
@@ -133,34 +135,43 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pdl = launch.supported(torch.device("cuda"))
     launches = list(nf4_cuda.CANDIDATES) + [(r, 2, s, 0) for r in (1, 2, 4, 8) for s in (1, 3)] + \
-        [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)]
-    worst = 0.0
-    for i, (n, k) in enumerate([(4096, 2560), (2560, 10240), (333, 448), (20480, 2560), (7, 64)]):
+        [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)] + \
+        [(16, w_, s, 1) for w_ in (1, 8) for s in (0, 1, 3, 40)]
+    worst, tiles = 0.0, 0
+    for i, (n, k) in enumerate([(4096, 2560), (2560, 10240), (333, 448), (20480, 2560), (7, 64), (45, 768)]):
         p = quantized(n, k, torch.bfloat16, 20 + i, compress_statistics=i % 2 == 0)
         w = nf4.from_bnb(p)
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         want = F.linear(x, bnb_weight(p))
         assert nf4_cuda.fits(x, w)
+        assert nf4_cuda.fits(x, w, (16, 8, 0, 1)) == (k % 256 == 0)
         for launch_ in launches:
+            if not nf4_cuda.fits(x, w, launch_):
+                continue
             err = rel(nf4_cuda.gemv(x, w, launch_, sms), want)
             assert err < 1.5e-2, (n, k, launch_, err)
             worst = max(worst, err)
+            tiles += launch_[0] == nf4_cuda.TILE_ROWS
         for launch_ in nf4_cuda.CANDIDATES:  # launched with PDL, as the fused forward launches them
-            assert torch.equal(nf4_cuda.gemv(x, w, launch_, sms, pdl), nf4_cuda.gemv(x, w, launch_, sms))
+            if nf4_cuda.fits(x, w, launch_):
+                assert torch.equal(nf4_cuda.gemv(x, w, launch_, sms, pdl), nf4_cuda.gemv(x, w, launch_, sms))
         buf = torch.randn(1, k + 1, device="cuda").to(torch.bfloat16)
         odd = buf[:, 1:]  # 2 bytes off a 16-byte boundary
         assert not nf4_cuda.fits(odd, w)
-        plan = {1: {"cuda": nf4_cuda.CANDIDATES[0]}}
-        assert rel(nf4.linear(odd, w, plan), F.linear(odd, bnb_weight(p))) < 1.5e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # the CUDA launch between PDL-launched Triton ones, as in a forward
-            outs = [nf4.linear(x, w, plan, pdl), nf4.linear(odd, w, plan, pdl)]
-            outs.append(nf4.linear(outs[1][:, :k] if n >= k else x, w, plan, pdl))
-        x.normal_()
-        odd.normal_()
-        graph.replay()
-        assert torch.equal(outs[0], nf4.linear(x, w, plan)) and torch.equal(outs[1], nf4.linear(odd, w, plan))
-        assert torch.equal(outs[2], nf4.linear(outs[1][:, :k] if n >= k else x, w, plan))
+        for planned in (nf4_cuda.CANDIDATES[0], (16, 8, 0, 1)):
+            plan = {1: {"cuda": planned}}
+            assert rel(nf4.linear(odd, w, plan), F.linear(odd, bnb_weight(p))) < 1.5e-2
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # the CUDA launch between PDL-launched Triton ones, as in a forward
+                outs = [nf4.linear(x, w, plan, pdl), nf4.linear(odd, w, plan, pdl)]
+                outs.append(nf4.linear(outs[1][:, :k] if n >= k else x, w, plan, pdl))
+            x.normal_()
+            odd.normal_()
+            graph.replay()
+            assert torch.equal(outs[0], nf4.linear(x, w, plan)) and torch.equal(outs[1], nf4.linear(odd, w, plan))
+            assert torch.equal(outs[2], nf4.linear(outs[1][:, :k] if n >= k else x, w, plan))
+            assert rel(outs[0], F.linear(x, bnb_weight(p))) < 1.5e-2
+    assert tiles == 4 * (3 + 8), tiles  # the tile launches ran on the four shapes whose K they take
     print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 

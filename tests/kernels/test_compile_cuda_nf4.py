@@ -60,3 +60,21 @@ def test_the_loops_shuffle_once_per_weight_in_converged_code(built):
         assert sum(counts.values()) <= 7.5 * weights, (m.group(0), sum(counts.values()) / weights)
         seen += 1
     assert seen == 7
+
+
+def test_the_tile_kernel_looks_up_two_codes_per_permute_and_load(built):
+    """The tensor-core tile kernel's loop: each byte's two codes by one byte permute (the table
+    address) and one shared-memory load, four per mma of 16 x 16 weights, no spills or local
+    memory, and under 2.75 instructions per weight a lane multiplies (the item loop around it
+    included)."""
+    from bench.kernel_sass import loop_counts
+
+    log, sass = built
+    assert re.search(r"nf4_gemv_table_kernel", log)
+    part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(r"\s*\.text\.\S*nf4_gemv_table_kernel", p))
+    counts = loop_counts(part)
+    mmas = counts["HMMA.16816"]
+    assert mmas >= 8 and counts["LDS"] == counts["PRMT"] == 4 * mmas, counts
+    assert not any(op.startswith(("LDL", "STL", "SHFL")) for op in counts), counts
+    weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
+    assert sum(counts.values()) <= 2.75 * weights, sum(counts.values()) / weights
