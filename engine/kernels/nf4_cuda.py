@@ -1,17 +1,18 @@
-"""The one-row NF4 product in CUDA C++ (kernels/cuda/nf4_gemv.cu), beside the Triton kernels of
+"""NF4 products of few rows in CUDA C++ (kernels/cuda/nf4_gemv.cu), beside the Triton kernels of
 kernels/nf4.py: built once per machine by torch's extension loader where a CUDA compiler is
 installed (the build is cached by torch), and None where it is not, or where the build fails, so
 the engine keeps to the Triton kernels. `nf4_plan.plan_nf4` times its launches against those
-kernels on a model's own weights at one row, and keeps it only where it is faster and agrees with
-the library's product.
+kernels on a model's own weights at 1-8 rows, and keeps one only where it is faster and agrees
+with the library's product.
 
 A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
 (float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
 blocks per SM of persistent warps that keep their next step's loads in flight. Rows 1-8 multiply
 on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores, each byte's
 two codes looked up at once from a table in shared memory (one block per SM; split 0: the K slices
-that spread the work over the warps best). It takes one bf16 row of x whose 16-byte chunks are aligned, and
-the weight's rows 16-byte aligned (`fits`; tiles also K a multiple of 256).
+that spread the work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
+at the cost of one). It takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's
+rows 16-byte aligned (`fits`: one row, or for tiles up to 8 and K a multiple of 256).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
 # the launches the plans time at one row: the fastest per Gemma-3 4B projection on an H200
 # (python -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up;
-# tiles on tensor cores with 8, 16 and 24 warps per SM
+# tiles on tensor cores with 8, 16 and 20 warps per SM
 CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
-              (2, 4, 1, 4), (16, 8, 0, 1), (16, 16, 0, 1), (16, 24, 0, 1))
+              (2, 4, 1, 4), (16, 8, 0, 1), (16, 16, 0, 1), (16, 20, 0, 1))
 TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
 TILE_K = 256  # their K must be a multiple of this
+MAX_TILE_X_ROWS = 8  # and they take up to this many rows of x (the mma's columns)
 
 
 @functools.cache
@@ -59,12 +61,15 @@ def extension():
 
 
 def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) -> bool:
-    """Whether the kernel takes this product (with `launch`, where given): one bf16 row, 16-byte
-    aligned, on the weight's CUDA device."""
-    if launch is not None and launch[0] == TILE_ROWS and x.shape[-1] % TILE_K:
+    """Whether the kernel takes this product (with `launch`, where given): bf16 rows, 16-byte
+    aligned, on the weight's CUDA device; one row, or 1-8 rows and K a multiple of 256 for tiles."""
+    if launch is not None and launch[0] == TILE_ROWS:
+        if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.shape[-1] % TILE_K or x.stride(0) % 8:
+            return False
+    elif x.dim() != 2 or x.shape[0] != 1:
         return False
     return (x.is_cuda and x.device == w.packed.device == w.scales.device == w.code.device
-            and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and x.dtype == torch.bfloat16 and x.stride(1) == 1
             and x.data_ptr() % 16 == 0 and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
             and w.packed.data_ptr() % 16 == 0 and w.scales.stride(1) == 1 and w.code.dtype == torch.float32
             and w.code.is_contiguous())
@@ -72,13 +77,13 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
 
 def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: bool = False,
          mode: int = 0) -> torch.Tensor:
-    """x [1, K] @ W^T -> [1, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w)` must
+    """x [M, K] @ W^T -> [M, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w, launch)` must
     hold; `sms`: the device's multiprocessors; `pdl`: launched with PDL, as kernels/launch.py's
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
     measurement variants, not the product)."""
     rows, warps, split, per_sm = launch
     n = w.shape[0]
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     # y where no partials are read; tiles allocate theirs (their split is chosen in the kernel's launcher)
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 and rows != TILE_ROWS else y
     blocks = per_sm * sms

@@ -60,7 +60,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     the weight for the library's product, else None (that product). Weights under
     TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At one row of
     bf16 activations the CUDA kernel's launches (nf4_cuda.CANDIDATES, where it is built and
-    `cuda`) are checked and timed beside the Triton ones, as {"cuda": launch}."""
+    `cuda`; at 2-8 rows its tensor-core tiles alone) are checked and timed beside the Triton
+    ones, as {"cuda": launch}."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
@@ -100,7 +101,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
             if best is not None:
                 break
             shfl = False  # the shuffle lookup disagrees (or does not compile) here: loads from now on
-        if m == 1 and cuda and n * k >= TIMED_ELEMENTS and nf4_cuda.fits(x, w0) and nf4_cuda.extension():
+        if (m <= nf4_cuda.MAX_TILE_X_ROWS and cuda and n * k >= TIMED_ELEMENTS and x.dtype == torch.bfloat16
+                and nf4_cuda.extension()):
             want = F.linear(x, dense)
             for launch in nf4_cuda.CANDIDATES:
                 if not nf4_cuda.fits(x, w0, launch):

@@ -117,15 +117,15 @@ def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
 
 
 def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
-    """The one-row CUDA kernel (kernels/nf4_cuda.py; built where a CUDA compiler is installed):
-    its planned launches and others (1-8 weight rows per warp, one warp per row group or
-    persistent warps, K split in 1-3 slices, also slices of one chunk; tiles of 16 rows on tensor
-    cores in 1-24 warps per block, K split 1-40 ways) on Gemma-3 4B projection shapes and odd ones
-    (rows not a multiple of a warp's or a tile's, K of 64, 448 and 768), against dequantize_4bit +
-    F.linear on the same packed weight, with and without PDL; a planned CUDA launch on an x it
-    does not take (not 16-byte aligned, or K not a multiple of 256 for tiles) runs the Triton
-    kernel instead; planned launches replay from a CUDA graph, launched with PDL, the second
-    reading what the first wrote."""
+    """The CUDA kernel (kernels/nf4_cuda.py; built where a CUDA compiler is installed): its
+    planned launches and others (1-8 weight rows per warp, one warp per row group or persistent
+    warps, K split in 1-3 slices, also slices of one chunk; tiles of 16 rows on tensor cores in
+    1-20 warps per block, K split 1-40 ways, 1-8 rows of x) on Gemma-3 4B projection shapes and
+    odd ones (rows not a multiple of a warp's or a tile's, K of 64, 448 and 768), against
+    dequantize_4bit + F.linear on the same packed weight, with and without PDL; a planned CUDA
+    launch on an x it does not take (not 16-byte aligned, or K not a multiple of 256 for tiles)
+    runs the Triton kernel instead; planned launches replay from a CUDA graph, launched with PDL,
+    the second reading what the first wrote."""
     pytest.importorskip("bitsandbytes")
     from torch.utils import cpp_extension
 
@@ -171,6 +171,16 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
             assert torch.equal(outs[0], nf4.linear(x, w, plan)) and torch.equal(outs[1], nf4.linear(odd, w, plan))
             assert torch.equal(outs[2], nf4.linear(outs[1][:, :k] if n >= k else x, w, plan))
             assert rel(outs[0], F.linear(x, bnb_weight(p))) < 1.5e-2
+        for m in (2, 3, 5, 8) if k % 256 == 0 else ():  # 2-8 rows of x in tiles, K split or not
+            xm = torch.randn(m, k + 256, device="cuda").to(torch.bfloat16)[:, 256:]  # rows k + 256 apart
+            want_m = F.linear(xm, bnb_weight(p))
+            for launch_ in ((16, 8, 0, 1), (16, 16, 1, 1), (16, 4, 3, 1)):
+                assert nf4_cuda.fits(xm, w, launch_)
+                err = rel(nf4_cuda.gemv(xm, w, launch_, sms, pdl), want_m)
+                assert err < 1.5e-2, (n, k, m, launch_, err)
+                worst = max(worst, err)
+            assert not nf4_cuda.fits(xm, w, nf4_cuda.CANDIDATES[0])  # rows 1-8 per warp take one x row
+            assert not nf4_cuda.fits(torch.randn(9, k, device="cuda").to(torch.bfloat16), w, (16, 8, 0, 1))
     assert tiles == 4 * (3 + 8), tiles  # the tile launches ran on the four shapes whose K they take
     print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
@@ -185,7 +195,9 @@ def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches
     assert all(plan[m] is not None for m in nf4_plan.NF4_CANDIDATES)
     assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES if "cuda" not in plan[m]), \
         "the warp-shuffle code lookup agrees on this GPU"
-    assert all("cuda" not in plan[m] for m in nf4_plan.NF4_CANDIDATES if m > 1), "the CUDA kernel takes one row"
+    assert all(plan[m]["cuda"][0] == nf4_cuda.TILE_ROWS for m in nf4_plan.NF4_CANDIDATES
+               if m > 1 and "cuda" in plan[m]), "the CUDA kernel takes 2-8 rows in tiles on tensor cores alone"
+    assert all("cuda" not in plan[m] for m in nf4_plan.NF4_CANDIDATES if m > nf4_cuda.MAX_TILE_X_ROWS)
     for m in (1, 5, 64, 200):  # 200: the planned kernel or the dequantized weight, captured either way
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         eager = [nf4.linear(x, w, plan) for w in ws]

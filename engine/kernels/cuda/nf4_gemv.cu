@@ -197,18 +197,19 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
 }
 
 // Tiles of 16 weight rows on tensor cores (a launch's `rows` 16): each warp takes one tile over one
-// K slice at a time, as the A operand of mma.sync.m16n8k16 (bf16 in, float32 sums), with x's row the
-// B operand in all eight columns (so every column holds the same product). A weight byte is looked
-// up whole, as its two codes (high nibble: the even column) in one bf16x2 word, from a table in
-// shared memory that each block builds once: 256 entries, one copy per lane so that the 32 lanes
-// read 32 banks, entry v's copy for lane l at v * 256 + l * 4 from a 64 KiB boundary of the shared
-// window, so that one byte permute of the packed word into the lane's address gives the address.
-// The sum over K is the same whatever order the mma's 16 k slots take the columns in, so each group
-// of 64 columns is laid on them as the loads suit: lane t of a row's four lanes (t = lane % 4) takes
-// that row's 8 bytes 8t .. 8t + 7 (columns 16t .. 16t + 15) and the same 16 columns of x, step s of
-// the group's four products its bytes 2s (k slots 2t, 2t + 1) and 2s + 1 (slots 2t + 8, 2t + 9).
-// Each group's product is then scaled by the group's absmax. The codes are rounded to bf16 in the
-// table, as the kernels of kernels/nf4.py that multiply on tensor cores round them.
+// K slice at a time, as the A operand of mma.sync.m16n8k16 (bf16 in, float32 sums), with x's 1-8
+// rows the B operand's eight columns (column j: x's row min(j, M - 1); the repeats are not
+// stored). A weight byte is looked up whole, as its two codes (high nibble: the even column) in
+// one bf16x2 word, from a table in shared memory that each block builds once: 256 entries, one
+// copy per lane so that the 32 lanes read 32 banks, entry v's copy for lane l at v * 256 + l * 4
+// from a 64 KiB boundary of the shared window, so that one byte permute of the packed word into
+// the lane's address gives the address. The sum over K is the same whatever order the mma's 16 k
+// slots take the columns in, so each group of 64 columns is laid on them as the loads suit: lane t
+// of a row's four lanes (t = lane % 4) takes that row's 8 bytes 8t .. 8t + 7 (columns 16t .. 16t +
+// 15) and the same 16 columns of x's rows, step s of the group's four products its bytes 2s (k
+// slots 2t, 2t + 1) and 2s + 1 (slots 2t + 8, 2t + 9). Each group's product is then scaled by the
+// group's absmax. The codes are rounded to bf16 in the table, as the kernels of kernels/nf4.py that
+// multiply on tensor cores round them.
 constexpr int TABLE_BYTES = 256 * 256;
 constexpr int TABLE_SMEM = 2 * TABLE_BYTES;  // holds the table from the first 64 KiB boundary past the block's base
 constexpr int TABLE_DEPTH = 2;  // groups per load batch; a warp keeps two batches in flight, so K slices are whole
@@ -249,10 +250,11 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// acc_a, acc_b += the group's products for the lane's two rows x their absmax; x0, x1: the lane's
-// 16 columns of x as 8 bf16x2 words.
+// acc += the group's products x their absmax: acc[0], acc[1] for the lane's first weight row
+// against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second; x0, x1: the
+// lane's 16 columns of its x row (the mma's column lane / 4) as 8 bf16x2 words.
 __device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0, const uint4 x1, uint32_t lane_addr,
-                                              float& acc_a, float& acc_b) {
+                                              float (&acc)[4]) {
   const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -262,8 +264,10 @@ __device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0
     mma_bf16(c, pair_codes(wa, lane_addr, lo), pair_codes(wb, lane_addr, lo), pair_codes(wa, lane_addr, hi),
              pair_codes(wb, lane_addr, hi), xw[2 * s], xw[2 * s + 1]);
   }
-  acc_a = fmaf(c[0], st.sa, acc_a);  // column 0; the other columns hold the same sums
-  acc_b = fmaf(c[2], st.sb, acc_b);
+  acc[0] = fmaf(c[0], st.sa, acc[0]);
+  acc[1] = fmaf(c[1], st.sa, acc[1]);
+  acc[2] = fmaf(c[2], st.sb, acc[2]);
+  acc[3] = fmaf(c[3], st.sb, acc[3]);
 }
 
 // The loads of groups g .. g + TABLE_DEPTH - 1 of a tile item (pa, pb: the lane's two rows' bytes at
@@ -285,10 +289,10 @@ __device__ __forceinline__ void load_tile_steps(TileStep (&st)[TABLE_DEPTH], con
 // the PDL wait (neither reads what the kernel before writes); warp i of the grid then takes work
 // items i, i + warps in grid, ... (item: tile item / splits, K slice item % splits; a slice is a
 // whole number of 2 TABLE_DEPTH groups), keeping up to 2 TABLE_DEPTH groups' loads in flight.
-__global__ void __launch_bounds__(768, 1) nf4_gemv_table_kernel(
+__global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
-    int n, int k, int stride_p, int stride_s, int groups_per_split) {
+    int n, int k, int stride_p, int stride_s, int groups_per_split, int m, int stride_x) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
@@ -299,6 +303,8 @@ __global__ void __launch_bounds__(768, 1) nf4_gemv_table_kernel(
   }
   const int lane = threadIdx.x & 31, t = lane & 3;
   const uint32_t lane_addr = table_addr | (uint32_t)lane * 4u;
+  // this lane's x row (the mma's column lane / 4), its 16 columns of each group
+  const uint4* xrow = reinterpret_cast<const uint4*>(x + (size_t)min(lane >> 2, m - 1) * stride_x) + 2 * t;
   const int groups = k >> 6;
   const int splits = (groups + groups_per_split - 1) / groups_per_split;
   const int items = ((n + 15) >> 4) * splits;
@@ -329,26 +335,34 @@ __global__ void __launch_bounds__(768, 1) nf4_gemv_table_kernel(
   __syncthreads();  // the table
   pdl_enter();
   for (; item < items; item += warps) {
-    float acc_a = 0.f, acc_b = 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int g0 = g_lo; g0 < g_hi; g0 += 2 * TABLE_DEPTH) {  // two batches, each computed while the other loads
-      const uint4* xp = reinterpret_cast<const uint4*>(x) + 8 * g0 + 2 * t;
+      const uint4* xp = xrow + 8 * g0;
       load_tile_steps(nx, pa, pb, sa, sb, g0 + TABLE_DEPTH);
 #pragma unroll
-      for (int i = 0; i < TABLE_DEPTH; ++i) tile_products(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc_a, acc_b);
+      for (int i = 0; i < TABLE_DEPTH; ++i) {
+        tile_products(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+      }
       // past the slice the loads repeat its first groups, unused
       load_tile_steps(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH < g_hi ? g0 + 2 * TABLE_DEPTH : g_lo);
       xp += 8 * TABLE_DEPTH;
 #pragma unroll
-      for (int i = 0; i < TABLE_DEPTH; ++i) tile_products(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc_a, acc_b);
+      for (int i = 0; i < TABLE_DEPTH; ++i) {
+        tile_products(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+      }
     }
-    if (t == 0) {
-      const int ra = row0 + (lane >> 2), rb = ra + 8;
+    const int ra = row0 + (lane >> 2), rb = ra + 8;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // y [M, N] (float32 partials [split, M, N] when K is split)
+      const int col = 2 * t + j;
+      if (col >= m) continue;
       if (splits > 1) {
-        if (ra < n) partial[(size_t)slice * n + ra] = acc_a;
-        if (rb < n) partial[(size_t)slice * n + rb] = acc_b;
+        float* out = partial + ((size_t)slice * m + col) * n;
+        if (ra < n) out[ra] = acc[j];
+        if (rb < n) out[rb] = acc[2 + j];
       } else {
-        if (ra < n) y[ra] = __float2bfloat16(acc_a);
-        if (rb < n) y[rb] = __float2bfloat16(acc_b);
+        if (ra < n) y[(size_t)col * n + ra] = __float2bfloat16(acc[j]);
+        if (rb < n) y[(size_t)col * n + rb] = __float2bfloat16(acc[2 + j]);
       }
     }
     if (item + warps < items) {
@@ -417,17 +431,18 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem, cudaStr
   }
 }
 
-// x [K] bf16 contiguous, packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32,
-// y [N] bf16, partial [split, N] float32 (split > 1); K a multiple of 64, rows 16-byte aligned
-// (checked by the caller). `rows` 1-8: `blocks` > 0: persistent warps in that many blocks. `rows`
-// 16: tiles on tensor cores, in `blocks` blocks (one per SM at most: the table takes 128 KiB of
-// shared memory), K a multiple of 256, `split` 0 for the K slices that spread the items best.
-// `mode` 0: the product; 1 and 2 the measurement variants above (rows 1-8). `pdl`: launched with
-// PDL (compute capability 9.0 or newer; the caller checks).
+// x [M, K] bf16 (rows contiguous, 16-byte aligned), packed [N, K/2] uint8, absmax [N, K/64] float32,
+// code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
+// smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
+// `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
+// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), K a multiple of
+// 256, `split` 0 for the K slices that spread the items best. `mode` 0: the product; 1 and 2 the
+// measurement variants above (rows 1-8). `pdl`: launched with PDL (compute capability 9.0 or
+// newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
-  const int n = packed.size(0), k = x.size(-1);
+  const int n = packed.size(0), k = x.size(-1), m = x.size(0);
   const c10::cuda::CUDAGuard guard(x.device());  // x's device and its current stream
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
@@ -435,13 +450,18 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   const auto* pp = static_cast<const uint8_t*>(packed.data_ptr<uint8_t>());
   const auto* sp = static_cast<const float*>(absmax.data_ptr<float>());
   const auto* cp = static_cast<const float*>(code.data_ptr<float>());
-  int per = 0;
-  Kernel kernel = nullptr;
-  dim3 grid, block(32 * warps);
-  size_t smem = 0;
+  const int stride_p = static_cast<int>(packed.stride(0)), stride_s = static_cast<int>(absmax.stride(0));
+  // float32 partials of each K slice (the caller's buffer where it holds them)
+  auto partials = [&](int64_t s) -> float* {
+    if (s <= 1) return nullptr;
+    if (partial.numel() < s * m * n) partial = torch::empty({s, m, n}, x.options().dtype(torch::kFloat32));
+    return partial.data_ptr<float>();
+  };
+  float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode == 0 && k % (128 * TABLE_DEPTH) == 0 && blocks > 0 && warps <= 24,
-                "tiles on tensor cores: the product, K a multiple of ", 128 * TABLE_DEPTH, ", at most 24 warps");
+    TORCH_CHECK(mode == 0 && m >= 1 && m <= 8 && k % (128 * TABLE_DEPTH) == 0 && blocks > 0 && warps <= 20,
+                "tiles on tensor cores: the product, 1-8 rows of x, K a multiple of ", 128 * TABLE_DEPTH,
+                ", at most 20 warps");
     const int groups = k / 64, tiles = (n + 15) / 16, step = 2 * TABLE_DEPTH;
     if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting a
       // round's start (its first loads in flight) as two groups
@@ -452,20 +472,25 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
-    per = ((groups + split - 1) / split + step - 1) / step * step;  // whole load batches per slice
+    const int per = ((groups + split - 1) / split + step - 1) / step * step;  // whole load batches per slice
     split = (groups + per - 1) / per;
-    grid = dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps));
-    kernel = nf4_gemv_table_kernel;
-    smem = TABLE_SMEM;
+    part = partials(split);
     static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(nf4_gemv_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        TABLE_SMEM));
+    launch(nf4_gemv_table_kernel, dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps)),
+           dim3(32 * warps), TABLE_SMEM, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per, m,
+           static_cast<int>(x.stride(0)));
   } else {
+    TORCH_CHECK(m == 1, "1-8 weight rows per warp take one row of x");
     const int chunks = k / 32;
-    per = (chunks + split - 1) / split;
+    const int per = (chunks + split - 1) / split;
     split = (chunks + per - 1) / per;  // every slice holds a chunk: each writes its partials
+    part = partials(split);
     const int row_warps = (n + rows - 1) / rows;
-    grid = dim3((row_warps + warps - 1) / warps, split);
+    dim3 grid((row_warps + warps - 1) / warps, split);
     if (blocks > 0) grid.x = std::min<int64_t>(blocks, grid.x);  // persistent warps in `blocks` blocks
+    Kernel kernel = nullptr;
     switch (rows) {
       case 1: kernel = pick<1>(blocks > 0, mode); break;
       case 2: kernel = pick<2>(blocks > 0, mode); break;
@@ -473,16 +498,11 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
       case 8: kernel = pick<8>(blocks > 0, mode); break;
       default: TORCH_CHECK(false, "rows must be 1, 2, 4, 8 or 16");
     }
+    launch(kernel, grid, dim3(32 * warps), 0, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per);
   }
-  // float32 partials of each K slice (the caller's buffer where it holds them)
-  const torch::Tensor part_t = split > 1 && partial.numel() < split * n
-                                   ? torch::empty({split, n}, x.options().dtype(torch::kFloat32)) : partial;
-  float* part = split > 1 ? part_t.data_ptr<float>() : nullptr;
-  launch(kernel, grid, block, smem, stream, pdl, xp, pp, sp, cp, part, yp, n, k, static_cast<int>(packed.stride(0)),
-         static_cast<int>(absmax.stride(0)), per);
   if (split > 1) {
-    launch(sum_splits_kernel, dim3((n + 255) / 256), dim3(256), 0, stream, pdl, static_cast<const float*>(part), yp,
-           n, static_cast<int>(split));
+    launch(sum_splits_kernel, dim3((m * n + 255) / 256), dim3(256), 0, stream, pdl, static_cast<const float*>(part),
+           yp, m * n, static_cast<int>(split));
   }
 }
 #endif
