@@ -60,8 +60,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     the weight for the library's product, else None (that product). Weights under
     TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At one row of
     bf16 activations the CUDA kernel's launches (nf4_cuda.CANDIDATES, where it is built and
-    `cuda`; at 2-8 rows its tensor-core tiles alone) are checked and timed beside the Triton
-    ones, as {"cuda": launch}."""
+    `cuda`) that take x (`nf4_cuda.fits`) are checked and timed beside the Triton ones, as
+    {"cuda": launch}."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
