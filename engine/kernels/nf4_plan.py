@@ -58,7 +58,7 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     none of them agrees at a row count, those that load them. Above the largest planned row
     count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it agrees and beats dequantizing
     the weight for the library's product, else None (that product). Weights under
-    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At one row of
+    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At 1-8 rows of
     bf16 activations the CUDA kernel's launches (nf4_cuda.CANDIDATES, where it is built and
     `cuda`) that take x (`nf4_cuda.fits`) are checked and timed beside the Triton ones, as
     {"cuda": launch}."""
