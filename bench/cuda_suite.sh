@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -80,6 +80,12 @@ for _ in range(2):
     nf4_cuda.gemv(x, w, (4, 8, 1, 8), 132, mode=1)
     nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
+  nf4-tiles)  # the CUDA kernel's tensor-core tiles: its GPU tests and the NF4 plans', then every launch
+    # of the kernel against the Triton plan's, Gemma-3 4B projections at 1 and 8 rows of x
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row or plans" 2>&1 | tee "$OUT/cuda-tests-nf4-tiles.log" | grep -v "^\.$" | tail -12
+    timeout 330 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$OUT" 2>&1 \
+      | tee "$OUT/nf4-cuda-tiles.log" | grep -v disagrees ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
     # Triton kernels serve), same run

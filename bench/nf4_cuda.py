@@ -1,14 +1,15 @@
-"""The one-row NF4 product in CUDA C++ (engine/kernels/cuda/nf4_gemv.cu, kernels/nf4_cuda.py)
-against the engine's Triton kernels on the same weights: a grid of its launches (weight rows per
-warp, warps per block, K split, one warp per row group, persistent warps, or tiles of 16 rows on
-tensor cores) per Gemma-3 projection at one row, checked against the library's product on the dequantized weight, beside
-the Triton-only plan's launch and the bf16 library product, timed the way `bench.nf4_kernels`
-times them (CUDA graphs over copies of the weights, 128 MB or more, so none is served from L2).
-The fastest launches of 1-8 rows per warp are timed again with one stage left out (the source's
-MODE): the loads alone, and the lookups and products alone, so the difference says where the time
-goes.
+"""NF4 products of few rows in CUDA C++ (engine/kernels/cuda/nf4_gemv.cu, kernels/nf4_cuda.py)
+against the engine's Triton kernels on the same weights: a grid of the kernel's launches (1-8
+weight rows per warp on FMAs, one warp per row group or persistent warps; or tiles of 16 weight
+rows on tensor cores; warps per block, K split) per Gemma-3 projection, at one row of x or at
+`--rows` (above one the tiles alone), checked against the library's product on the dequantized
+weight, beside the Triton-only plan's launch and the bf16 library product, timed the way
+`bench.nf4_kernels` times them (CUDA graphs over copies of the weights, 128 MB or more, so none is
+served from L2). The fastest launches of 1-8 rows per warp are timed again with one stage left
+out (the source's MODE): the loads alone, and the lookups and products alone, so the difference
+says where the time goes.
 
-    python -m bench.nf4_cuda [--shape gemma3-4b] [--out bench/results]
+    python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
 
 The kernel is built by torch's extension loader (nvcc and ninja needed).
 """
@@ -25,8 +26,8 @@ from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest, 
 from engine.kernels import nf4, nf4_cuda, nf4_plan
 
 # (weight rows per warp, warps per block, K split, blocks per SM: 0 for one warp per row group,
-# else persistent warps that walk row groups with the next step's loads in flight)
-# and tiles of 16 rows on tensor cores, one block per SM, K split 0 (to fill every warp once) or as given
+# else persistent warps that walk row groups with the next step's loads in flight), and tiles of
+# 16 rows on tensor cores, one block per SM, K split 0 (the launcher spreads the work) or as given
 LAUNCHES = ([(rows, warps, split, 0) for rows in (1, 2, 4, 8) for warps in (2, 4, 8) for split in (1, 2, 4)]
             + [(rows, warps, split, per_sm) for rows in (1, 2, 4) for warps in (4, 8) for split in (1, 2)
                for per_sm in (2, 4, 8)]
@@ -39,66 +40,72 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1],
+                    help="rows of x (above one only the tensor-core tiles take them)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if nf4_cuda.extension() is None:
         raise SystemExit("the CUDA NF4 kernel did not build here (a CUDA compiler and ninja are needed)")
     dtype = torch.bfloat16
     bw = copy_bandwidth("cuda") / 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile = nf4_cuda.TILE_ROWS
     print(f"copy bandwidth (read side) {bw / 1e9:.0f} GB/s")
-    print(f"{'proj':>8} {'N x K':>13} {'triton us':>9} {'cuda us':>8} {'cuda/triton':>11} {'GB/s':>6} {'floor us':>8} "
-          f"{'bf16 us':>8}  cuda launch (rows/warp, warps, split, blocks/SM); the same without the "
+    print(f"{'proj':>8} {'N x K':>13} {'rows':>4} {'triton us':>9} {'cuda us':>8} {'cuda/triton':>11} {'GB/s':>6} "
+          f"{'floor us':>8} {'bf16 us':>8}  cuda launch (rows/warp, warps, split, blocks/SM); the same without the "
           f"lookups / without the weight loads", flush=True)
     rows_out = []
     for name, (n_out, k) in projections(a.shape).items():
         nbytes = nf4_bytes(n_out, k)
         _, ws, full = weight_copies(n_out, k, dtype)
         plan = nf4_plan.plan_nf4(ws, cuda=False)  # the Triton kernels alone
-        x = torch.randn(1, k, device="cuda").to(dtype)
-        want = F.linear(x, full[0])
-        triton_us = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))
-        lib_us = timed(lambda: [F.linear(x, w) for w in full], len(full))
-        results = []
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for launch in LAUNCHES:
-            if not nf4_cuda.fits(x, ws[0], launch):
-                continue
-            got = nf4_cuda.gemv(x, ws[0], launch, sms)
-            desc = dict(zip(("rows_per_warp", "warps", "split", "blocks_per_sm"), launch))
-            if not nf4_plan.agrees(got, want):
-                print(f"  {desc}: disagrees with the library's product")
-                continue
-            us = timed(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms) for w in ws], len(ws))
-            if us:
-                results.append({"us": us, **desc, "launch": launch})
-        results.sort(key=lambda r: r["us"])
-        for r in [r for r in results if r["rows_per_warp"] != nf4_cuda.TILE_ROWS][:3]:
-            # the same launches with one stage left out (MODE in the source; rows 1-8)
-            launch = r["launch"]
-            r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
-            r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))
-        best = results[0] if results else None
-        floor_us = nbytes / bw * 1e6
-        row = {"projection": name, "out": n_out, "in": k, "triton_us": triton_us, "triton_launch": plan.get(1),
-               "bf16_us": lib_us, "floor_us": floor_us, "cuda": results}
-        rows_out.append(row)
-        def desc(r):
-            if "loads_only_us" not in r:
-                return f"{r['launch']}"
-            return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}"
+        for m in a.rows:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            want = F.linear(x, full[0])
+            triton_us = timed(lambda: [nf4.linear(x, w, plan) for w in ws], len(ws))
+            lib_us = timed(lambda: [F.linear(x, w) for w in full], len(full))
+            results = []
+            for launch in LAUNCHES:
+                if not nf4_cuda.fits(x, ws[0], launch):
+                    continue
+                got = nf4_cuda.gemv(x, ws[0], launch, sms)
+                desc = dict(zip(("rows_per_warp", "warps", "split", "blocks_per_sm"), launch))
+                if not nf4_plan.agrees(got, want):
+                    print(f"  {desc}: disagrees with the library's product")
+                    continue
+                us = timed(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms) for w in ws], len(ws))
+                if us:
+                    results.append({"us": us, **desc, "launch": launch})
+            results.sort(key=lambda r: r["us"])
+            for r in [r for r in results if r["rows_per_warp"] != tile][:3]:
+                # the same launches with one stage left out (MODE in the source; 1-8 rows per warp)
+                launch = r["launch"]
+                r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
+                r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))
+            best = results[0] if results else None
+            floor_us = nbytes / bw * 1e6
+            planned = min((r for r in plan if r >= m), default=None)
+            rows_out.append({"projection": name, "out": n_out, "in": k, "x_rows": m, "triton_us": triton_us,
+                             "triton_launch": plan.get(planned), "bf16_us": lib_us, "floor_us": floor_us,
+                             "cuda": results})
 
-        if best:
-            print(f"{name:>8} {f'{n_out}x{k}':>13} {triton_us:>9.1f} {best['us']:>8.1f} {best['us'] / triton_us:>11.2f} "
-                  f"{nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} {lib_us:>8.1f}  {desc(best)}", flush=True)
-            for r in results[1:3]:
-                print(f"{'':>33} {r['us']:>8.1f}  {desc(r)}")
-            tile = nf4_cuda.TILE_ROWS
-            for kind, pick in (("one warp per row group", lambda r: r["blocks_per_sm"] == 0),
-                               ("persistent warps", lambda r: r["blocks_per_sm"] > 0 and r["rows_per_warp"] != tile),
-                               ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile)):
-                r = next((r for r in results if pick(r)), None)
-                if r:
-                    print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {r['launch']}")
+            def desc(r):
+                if "loads_only_us" not in r:
+                    return f"{r['launch']}"
+                return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}"
+
+            if best:
+                print(f"{name:>8} {f'{n_out}x{k}':>13} {m:>4} {triton_us:>9.1f} {best['us']:>8.1f} "
+                      f"{best['us'] / triton_us:>11.2f} {nbytes / (best['us'] * 1e-6) / 1e9:>6.0f} {floor_us:>8.1f} "
+                      f"{lib_us:>8.1f}  {desc(best)}", flush=True)
+                for r in results[1:3]:
+                    print(f"{'':>38} {r['us']:>8.1f}  {desc(r)}")
+                for kind, pick in (("one warp per row group", lambda r: r["blocks_per_sm"] == 0),
+                                   ("persistent warps", lambda r: r["blocks_per_sm"] > 0 and r["rows_per_warp"] != tile),
+                                   ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile)):
+                    r = next((r for r in results if pick(r)), None)
+                    if r:
+                        print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {r['launch']}")
         ws = full = []
         torch.cuda.empty_cache()
     write_result(a.out, f"nf4-cuda-gemv-{a.shape}", {
