@@ -18,6 +18,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <bitset>
+#include <mutex>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/types.h>
 #endif
@@ -476,8 +478,17 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     split = (groups + per - 1) / per;
     part = partials(split);
     static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(nf4_gemv_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        TABLE_SMEM));
+    {  // once per device, at its first launch: the opt-in to more than 48 KiB of dynamic shared memory
+      static std::mutex mutex;
+      static std::bitset<256> opted_in;
+      const std::lock_guard<std::mutex> lock(mutex);
+      const int device = x.device().index();
+      if (!opted_in[device]) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(nf4_gemv_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            TABLE_SMEM));
+        opted_in[device] = true;
+      }
+    }
     launch(nf4_gemv_table_kernel, dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps)),
            dim3(32 * warps), TABLE_SMEM, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per, m,
            static_cast<int>(x.stride(0)));
