@@ -5,9 +5,10 @@ rows on tensor cores; warps per block, K split) per Gemma-3 projection, at one r
 `--rows` (above one the tiles alone), checked against the library's product on the dequantized
 weight, beside the Triton-only plan's launch and the bf16 library product, timed the way
 `bench.nf4_kernels` times them (CUDA graphs over copies of the weights, 128 MB or more, so none is
-served from L2). The fastest launches of 1-8 rows per warp are timed again with one stage left
-out (the source's MODE): the loads alone, and the lookups and products alone, so the difference
-says where the time goes.
+served from L2). The fastest three launches of each kind (FMAs, tiles) are timed again with one
+stage left out (the source's MODE): without the lookups (the loads and the products on the raw
+words), and without the weight loads (the lookups and products on made-up words), so the
+differences say where the time goes.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
 
@@ -77,8 +78,9 @@ def main() -> None:
                 if us:
                     results.append({"us": us, **desc, "launch": launch})
             results.sort(key=lambda r: r["us"])
-            for r in [r for r in results if r["rows_per_warp"] != tile][:3]:
-                # the same launches with one stage left out (MODE in the source; 1-8 rows per warp)
+            for r in ([r for r in results if r["rows_per_warp"] != tile][:3]
+                      + [r for r in results if r["rows_per_warp"] == tile][:3]):
+                # the same launches with one stage left out (MODE in the source)
                 launch = r["launch"]
                 r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
                 r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))

@@ -254,7 +254,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // acc += the group's products x their absmax: acc[0], acc[1] for the lane's first weight row
 // against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second; x0, x1: the
-// lane's 16 columns of its x row (the mma's column lane / 4) as 8 bf16x2 words.
+// lane's 16 columns of its x row (the mma's column lane / 4) as 8 bf16x2 words. MODE 1 (time
+// without the lookups): the packed words themselves as the A fragments.
+template <int MODE>
 __device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0, const uint4 x1, uint32_t lane_addr,
                                               float (&acc)[4]) {
   const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
@@ -263,6 +265,10 @@ __device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0
   for (int s = 0; s < 4; ++s) {
     const uint32_t wa = s < 2 ? st.a.x : st.a.y, wb = s < 2 ? st.b.x : st.b.y;
     const uint32_t lo = (2 * s) & 3, hi = (2 * s + 1) & 3;
+    if (MODE == 1) {
+      mma_bf16(c, wa, wb, wa ^ wb, wa + wb, xw[2 * s], xw[2 * s + 1]);
+      continue;
+    }
     mma_bf16(c, pair_codes(wa, lane_addr, lo), pair_codes(wb, lane_addr, lo), pair_codes(wa, lane_addr, hi),
              pair_codes(wb, lane_addr, hi), xw[2 * s], xw[2 * s + 1]);
   }
@@ -273,13 +279,22 @@ __device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0
 }
 
 // The loads of groups g .. g + TABLE_DEPTH - 1 of a tile item (pa, pb: the lane's two rows' bytes at
-// group 0, sa, sb: their absmax).
+// group 0, sa, sb: their absmax). MODE 2 (time without the weight loads): the words made up from
+// the group and the row's address.
+template <int MODE>
 __device__ __forceinline__ void load_tile_steps(TileStep (&st)[TABLE_DEPTH], const uint8_t* pa, const uint8_t* pb,
                                                 const float* sa, const float* sb, int g) {
   const uint2* qa = reinterpret_cast<const uint2*>(pa + (size_t)g * 32);
   const uint2* qb = reinterpret_cast<const uint2*>(pb + (size_t)g * 32);
 #pragma unroll
   for (int i = 0; i < TABLE_DEPTH; ++i) {
+    if (MODE == 2) {
+      const uint32_t h = (uint32_t)(g + i) * 0x9e3779b9u ^ (uint32_t)(uintptr_t)pa;
+      st[i].a = make_uint2(h, h * 3u);
+      st[i].b = make_uint2(h ^ (uint32_t)(uintptr_t)pb, h + 0x7f4a7c15u);
+      st[i].sa = st[i].sb = 1.f;
+      continue;
+    }
     st[i].a = __ldg(qa + 4 * i);
     st[i].b = __ldg(qb + 4 * i);
     st[i].sa = __ldg(sa + g + i);
@@ -291,6 +306,7 @@ __device__ __forceinline__ void load_tile_steps(TileStep (&st)[TABLE_DEPTH], con
 // the PDL wait (neither reads what the kernel before writes); warp i of the grid then takes work
 // items i, i + warps in grid, ... (item: tile item / splits, K slice item % splits; a slice is a
 // whole number of 2 TABLE_DEPTH groups), keeping up to 2 TABLE_DEPTH groups' loads in flight.
+template <int MODE>
 __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
@@ -332,7 +348,7 @@ __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
   TileStep st[TABLE_DEPTH], nx[TABLE_DEPTH];
   if (item < items) {
     start(item);
-    load_tile_steps(st, pa, pb, sa, sb, g_lo);
+    load_tile_steps<MODE>(st, pa, pb, sa, sb, g_lo);
   }
   __syncthreads();  // the table
   pdl_enter();
@@ -340,17 +356,17 @@ __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int g0 = g_lo; g0 < g_hi; g0 += 2 * TABLE_DEPTH) {  // two batches, each computed while the other loads
       const uint4* xp = xrow + 8 * g0;
-      load_tile_steps(nx, pa, pb, sa, sb, g0 + TABLE_DEPTH);
+      load_tile_steps<MODE>(nx, pa, pb, sa, sb, g0 + TABLE_DEPTH);
 #pragma unroll
       for (int i = 0; i < TABLE_DEPTH; ++i) {
-        tile_products(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+        tile_products<MODE>(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
       }
       // past the slice the loads repeat its first groups, unused
-      load_tile_steps(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH < g_hi ? g0 + 2 * TABLE_DEPTH : g_lo);
+      load_tile_steps<MODE>(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH < g_hi ? g0 + 2 * TABLE_DEPTH : g_lo);
       xp += 8 * TABLE_DEPTH;
 #pragma unroll
       for (int i = 0; i < TABLE_DEPTH; ++i) {
-        tile_products(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+        tile_products<MODE>(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
       }
     }
     const int ra = row0 + (lane >> 2), rb = ra + 8;
@@ -369,7 +385,7 @@ __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
     }
     if (item + warps < items) {
       start(item + warps);
-      load_tile_steps(st, pa, pb, sa, sb, g_lo);
+      load_tile_steps<MODE>(st, pa, pb, sa, sb, g_lo);
     }
   }
 }
@@ -394,6 +410,7 @@ template __global__ void nf4_gemv_kernel<8, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<1, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<2, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
+template __global__ void nf4_gemv_table_kernel<0>(KERNEL_ARGS, int, int);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -439,7 +456,7 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem, cudaStr
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), K a multiple of
 // 256, `split` 0 for the K slices that spread the items best. `mode` 0: the product; 1 and 2 the
-// measurement variants above (rows 1-8). `pdl`: launched with PDL (compute capability 9.0 or
+// measurement variants above. `pdl`: launched with PDL (compute capability 9.0 or
 // newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
@@ -461,9 +478,11 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode == 0 && m >= 1 && m <= 8 && k % (128 * TABLE_DEPTH) == 0 && blocks > 0 && warps <= 20,
-                "tiles on tensor cores: the product, 1-8 rows of x, K a multiple of ", 128 * TABLE_DEPTH,
-                ", at most 20 warps");
+    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8 && k % (128 * TABLE_DEPTH) == 0 && blocks > 0 &&
+                    warps <= 20,
+                "tiles on tensor cores: 1-8 rows of x, K a multiple of ", 128 * TABLE_DEPTH, ", at most 20 warps");
+    auto* table_kernel = mode == 1 ? nf4_gemv_table_kernel<1>
+                                   : mode == 2 ? nf4_gemv_table_kernel<2> : nf4_gemv_table_kernel<0>;
     const int groups = k / 64, tiles = (n + 15) / 16, step = 2 * TABLE_DEPTH;
     if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting a
       // round's start (its first loads in flight) as two groups
@@ -480,16 +499,15 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
     {  // once per device, at its first launch: the opt-in to more than 48 KiB of dynamic shared memory
       static std::mutex mutex;
-      static std::bitset<256> opted_in;
+      static std::bitset<256> opted_in[3];
       const std::lock_guard<std::mutex> lock(mutex);
       const int device = x.device().index();
-      if (!opted_in[device]) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(nf4_gemv_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            TABLE_SMEM));
-        opted_in[device] = true;
+      if (!opted_in[mode][device]) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
+        opted_in[mode][device] = true;
       }
     }
-    launch(nf4_gemv_table_kernel, dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps)),
+    launch(table_kernel, dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps)),
            dim3(32 * warps), TABLE_SMEM, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per, m,
            static_cast<int>(x.stride(0)));
   } else {
