@@ -77,8 +77,8 @@ def _loops(text: str) -> list[collections.Counter]:
 def test_the_tile_kernel_looks_up_two_codes_per_permute_and_load(built):
     """The tensor-core tile kernel's K loop: each byte's two codes by one byte permute (the table
     address) and one shared-memory load, four per mma of 16 x 16 weights, no spills or local
-    memory, and at most 1.75 instructions per weight a lane multiplies; the loop over work items
-    around it has no local memory either."""
+    memory, and at most 2 instructions per weight a lane multiplies; the loop over work items
+    around it (and the slices' last groups) has no local memory either."""
     log, sass = built
     assert re.search(r"nf4_gemv_table_kernel", log)
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(r"\s*\.text\.\S*nf4_gemv_table_kernel", p))
@@ -89,4 +89,4 @@ def test_the_tile_kernel_looks_up_two_codes_per_permute_and_load(built):
     assert mmas >= 8 and inner["LDS"] == inner["PRMT"] == 4 * mmas, inner
     assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
-    assert sum(inner.values()) <= 1.75 * weights, sum(inner.values()) / weights
+    assert sum(inner.values()) <= 2 * weights, sum(inner.values()) / weights

@@ -214,8 +214,7 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
 // multiply on tensor cores round them.
 constexpr int TABLE_BYTES = 256 * 256;
 constexpr int TABLE_SMEM = 2 * TABLE_BYTES;  // holds the table from the first 64 KiB boundary past the block's base
-constexpr int TABLE_DEPTH = 2;  // groups per load batch; a warp keeps two batches in flight, so K slices are whole
-                                // multiples of 2 TABLE_DEPTH groups
+constexpr int TABLE_DEPTH = 2;  // groups per load batch; a warp keeps two batches in flight
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
@@ -302,12 +301,29 @@ __device__ __forceinline__ void load_tile_steps(TileStep (&st)[TABLE_DEPTH], con
   }
 }
 
+// The same for the last groups of a slice that ends at g_hi: a group past it repeats the last
+// one's loads and takes an absmax of zero.
+__device__ __forceinline__ void load_tile_steps_to(TileStep (&st)[TABLE_DEPTH], const uint8_t* pa, const uint8_t* pb,
+                                                   const float* sa, const float* sb, int g, int g_hi) {
+#pragma unroll
+  for (int i = 0; i < TABLE_DEPTH; ++i) {
+    const bool ok = g + i < g_hi;
+    const int gc = ok ? g + i : g_hi - 1;
+    st[i].a = __ldg(reinterpret_cast<const uint2*>(pa + (size_t)gc * 32));
+    st[i].b = __ldg(reinterpret_cast<const uint2*>(pb + (size_t)gc * 32));
+    st[i].sa = ok ? __ldg(sa + gc) : 0.f;
+    st[i].sb = ok ? __ldg(sb + gc) : 0.f;
+  }
+}
+
 // Persistent blocks, one per SM: the table is built and each warp's first groups are loaded before
 // the PDL wait (neither reads what the kernel before writes); warp i of the grid then takes work
-// items i, i + warps in grid, ... (item: tile item / splits, K slice item % splits; a slice is a
-// whole number of 2 TABLE_DEPTH groups), keeping up to 2 TABLE_DEPTH groups' loads in flight.
+// items i, i + warps in grid, ... (item: tile item / splits, K slice item % splits), keeping up to
+// 2 TABLE_DEPTH groups' loads in flight: whole batches of 2 TABLE_DEPTH groups, then the slice's
+// last 1 to 2 TABLE_DEPTH - 1 groups with their loads bounded by its end (MODE 2 makes up the words
+// of whole batches only).
 template <int MODE>
-__global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
+__global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
     const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
     int n, int k, int stride_p, int stride_s, int groups_per_split, int m, int stride_x) {
@@ -348,25 +364,38 @@ __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
   TileStep st[TABLE_DEPTH], nx[TABLE_DEPTH];
   if (item < items) {
     start(item);
-    load_tile_steps<MODE>(st, pa, pb, sa, sb, g_lo);
+    load_tile_steps_to(st, pa, pb, sa, sb, g_lo, g_hi);
   }
   __syncthreads();  // the table
   pdl_enter();
   for (; item < items; item += warps) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int g0 = g_lo; g0 < g_hi; g0 += 2 * TABLE_DEPTH) {  // two batches, each computed while the other loads
+    const int whole = g_lo + (g_hi - g_lo) / (2 * TABLE_DEPTH) * (2 * TABLE_DEPTH);  // the end of whole batches
+    for (int g0 = g_lo; g0 < whole; g0 += 2 * TABLE_DEPTH) {  // two batches, each computed while the other loads
       const uint4* xp = xrow + 8 * g0;
       load_tile_steps<MODE>(nx, pa, pb, sa, sb, g0 + TABLE_DEPTH);
 #pragma unroll
       for (int i = 0; i < TABLE_DEPTH; ++i) {
         tile_products<MODE>(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
       }
-      // past the slice the loads repeat its first groups, unused
-      load_tile_steps<MODE>(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH < g_hi ? g0 + 2 * TABLE_DEPTH : g_lo);
+      if (g0 + 2 * TABLE_DEPTH < whole) {
+        load_tile_steps<MODE>(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH);
+      } else if (whole < g_hi) {
+        load_tile_steps_to(st, pa, pb, sa, sb, whole, g_hi);
+      }
       xp += 8 * TABLE_DEPTH;
 #pragma unroll
       for (int i = 0; i < TABLE_DEPTH; ++i) {
         tile_products<MODE>(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+      }
+    }
+    if (whole < g_hi) {  // the last groups: st holds the first TABLE_DEPTH of them
+      load_tile_steps_to(nx, pa, pb, sa, sb, whole + TABLE_DEPTH, g_hi);
+#pragma unroll
+      for (int i = 0; i < 2 * TABLE_DEPTH; ++i) {
+        const uint4* xp = xrow + 8 * min(whole + i, g_hi - 1);
+        tile_products<MODE>(i < TABLE_DEPTH ? st[i] : nx[i - TABLE_DEPTH], load_x(xp), load_x(xp + 1), lane_addr,
+                            acc);
       }
     }
     const int ra = row0 + (lane >> 2), rb = ra + 8;
@@ -385,7 +414,7 @@ __global__ void __launch_bounds__(640, 1) nf4_gemv_table_kernel(
     }
     if (item + warps < items) {
       start(item + warps);
-      load_tile_steps<MODE>(st, pa, pb, sa, sb, g_lo);
+      load_tile_steps_to(st, pa, pb, sa, sb, g_lo, g_hi);
     }
   }
 }
@@ -454,10 +483,9 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem, cudaStr
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
-// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), K a multiple of
-// 256, `split` 0 for the K slices that spread the items best. `mode` 0: the product; 1 and 2 the
-// measurement variants above. `pdl`: launched with PDL (compute capability 9.0 or
-// newer; the caller checks).
+// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), `split` 0 for the
+// K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
+// above. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
@@ -478,9 +506,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8 && k % (128 * TABLE_DEPTH) == 0 && blocks > 0 &&
-                    warps <= 20,
-                "tiles on tensor cores: 1-8 rows of x, K a multiple of ", 128 * TABLE_DEPTH, ", at most 20 warps");
+    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8 && blocks > 0 && warps <= 16,
+                "tiles on tensor cores: 1-8 rows of x, at most 16 warps");
     auto* table_kernel = mode == 1 ? nf4_gemv_table_kernel<1>
                                    : mode == 2 ? nf4_gemv_table_kernel<2> : nf4_gemv_table_kernel<0>;
     const int groups = k / 64, tiles = (n + 15) / 16, step = 2 * TABLE_DEPTH;
@@ -488,12 +515,13 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
       // round's start (its first loads in flight) as two groups
       const int64_t resident = blocks * warps;
       int64_t best = -1;
-      for (int p = groups; p >= step; p -= step) {
+      for (int p = groups; p >= 1; p = p > step ? (p - 1) / step * step : p - 1) {
         const int64_t s = (groups + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 2);
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
-    const int per = ((groups + split - 1) / split + step - 1) / step * step;  // whole load batches per slice
+    int per = (groups + split - 1) / split;
+    if (per > step) per = (per + step - 1) / step * step;  // slices of whole load batches, the last one shorter
     split = (groups + per - 1) / per;
     part = partials(split);
     static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
