@@ -134,8 +134,9 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
     one layer's experts: `tokens` tokens, each routed to top_k distinct random experts. Yields
     (stage, bytes of distinct experts' weights read, current launch, {name: launch}); stage
     "gate_up" times that kernel alone through `experts` with the down launch fixed, "down" the
-    other way round."""
-    from engine.kernels import moe, nf4, nf4_moe
+    other way round; in NF4, where kernels/nf4_cuda.py is built, stage "both" times the two
+    Triton kernels against that kernel's tensor-core tiles (`tiles`) for both stages."""
+    from engine.kernels import moe, nf4, nf4_cuda, nf4_moe
     from engine.model.nf4_experts import NF4Experts
 
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -174,6 +175,15 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
         if in_nf4 and stage == "gate_up":  # the launch by token count
             current = current[min(t for t in current if t >= tokens)]
         yield stage, int(distinct * nbytes * per_weight), current, cands
+    if in_nf4 and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down):
+        # both stages: the Triton kernels at their current launches, and kernels/nf4_cuda.py's tiles
+        cands = {"triton": [lambda idx=idx: run(x, idx, w, gate_up, down) for idx in idxs]}
+        for tiles in nf4_cuda.EXPERT_LAUNCHES:
+            y = run(x, idxs[0], w, gate_up, down, tiles=tiles)
+            assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+            cands[f"tiles {tiles}"] = [lambda tiles=tiles, idx=idx: run(x, idx, w, gate_up, down, tiles=tiles)
+                                       for idx in idxs]
+        yield "both", int(distinct * 3 * inter * H * per_weight), "triton", cands
 
 
 def main() -> None:

@@ -50,12 +50,18 @@ def extension():
         return None
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
             "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
+            "int64_t blocks, bool pdl);\n"
+            "void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, "
+            "torch::Tensor absmax, torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, "
+            "int64_t blocks, bool pdl);\n"
+            "void nf4_experts_down(torch::Tensor act, torch::Tensor experts, torch::Tensor weights, "
+            "torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, "
             "int64_t blocks, bool pdl);")
     major, minor = torch.cuda.get_device_capability()
     log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
     try:
         return cpp_extension.load_inline(
-            "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv"],
+            "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
         log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
@@ -91,3 +97,38 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     blocks = per_sm * sms
     extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, pdl)
     return y
+
+
+# the experts' tile launches (warps per block, blocks per SM) the GPU tests and `bench.nf4_cuda
+# --experts` run
+EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1))
+
+
+def experts_fit(x: torch.Tensor, gate_up, down) -> bool:
+    """Whether the experts' tiles take these operands: bf16 tokens whose rows are 16-byte aligned,
+    on the weights' CUDA device, H a multiple of 16 and I of 64 (kernels/nf4_moe.py's layout)."""
+    hidden, inter = gate_up.shape[1], down.shape[1]
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and hidden % 16 == 0 and inter % 64 == 0
+            and x.device == gate_up.packed.device == down.packed.device
+            and all(w.packed.stride(1) == 1 and w.packed.stride(0) % 8 == 0 and w.packed.data_ptr() % 16 == 0
+                    and w.scales.stride(1) == 1 and w.code.dtype == torch.float32 and w.code.is_contiguous()
+                    for w in (gate_up, down)))
+
+
+def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up, down,
+            launch: tuple[int, int], sms: int, pdl: bool = False) -> torch.Tensor:
+    """The experts' two stages on tiles (`experts_fit` must hold): x [T, H] -> the (token, expert)
+    pairs' float32 partials [T k, H], each weighted by the router, for moe's `_sum_pairs` to add
+    (kernels/nf4_moe.py). `launch`: (warps per block, blocks per SM)."""
+    warps, per_sm = launch
+    T, k = experts_idx.shape
+    inter, hidden = down.shape[1], x.shape[1]
+    idx = experts_idx.to(torch.int32).contiguous().view(-1)
+    act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    part = torch.empty((T * k, hidden), dtype=torch.float32, device=x.device)
+    ext = extension()
+    ext.nf4_experts_gate_up(x, idx, gate_up.packed, gate_up.scales, gate_up.code, act, k, warps, per_sm * sms, pdl)
+    ext.nf4_experts_down(act, idx, weights.float().contiguous().view(-1), down.packed, down.scales, down.code, part,
+                         warps, per_sm * sms, pdl)
+    return part

@@ -14,6 +14,10 @@ viewed as 2-D (groups of 64 along a row), so a row of one expert is a row of the
                   the router into a float32 partial; then moe's `_sum_pairs` adds each token's k
                   partials in order (no atomics)
 
+Where kernels/nf4_cuda.py is built, `experts(..., tiles=launch)` runs both stages on its
+tensor-core tiles instead (each weight byte's two codes looked up at once, the codes rounded to
+bf16 as tensor cores take them; the same roundings of the outputs, and the same `_sum_pairs`).
+
 The products are those of the exact weights (code x absmax in float32), within a rounding of
 the library's, which rounds each weight to the compute dtype first; each product's output and
 the activation are rounded to the compute dtype where the stock module rounds them, as in
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import moe, nf4
+from engine.kernels import moe, nf4, nf4_cuda
 from engine.kernels.launch import kernel_args
 from engine.kernels.nf4 import NF4Weight
 
@@ -122,10 +126,12 @@ DOWN = dict(block_n=32, block_k=128, warps=2, stages=3)
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: NF4Weight,
             down: NF4Weight, gate_up_launch: dict | None = None, down_launch: dict | None = None,
-            pdl: bool = False, shfl: bool = True) -> torch.Tensor:
+            pdl: bool = False, shfl: bool = True, tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """See `experts_ref` (Triton, up to moe.MAX_TOKENS tokens; CUDA, or the interpreter in
     tests). The launches default to GATE_UP's for T tokens and DOWN; `shfl`: the code lookup by
-    warp shuffle (CUDA only), else by loads."""
+    warp shuffle (CUDA only), else by loads. `tiles` (warps per block, blocks per SM): both stages
+    on kernels/nf4_cuda.py's tensor-core tiles instead, where that kernel is built and takes the
+    operands."""
     T, k = experts_idx.shape
     GU = gate_up_launch or GATE_UP[min(t for t in GATE_UP if t >= min(T, moe.MAX_TOKENS))]
     DN = down_launch or DOWN
@@ -137,12 +143,17 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
         x = x.clone(memory_format=torch.contiguous_format)
     idx = experts_idx.contiguous()
     wts = weights.float().contiguous()
-    act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if not T:
         return y
     args = kernel_args(pdl)
+    if tiles is not None and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down):
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        part = nf4_cuda.experts(x, idx, wts, gate_up, down, tiles, sms, pdl)
+        _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **args)
+        return y
     common = dict(SHFL=shfl and x.is_cuda, X16=x.element_size() == 2, BF16=x.dtype == torch.bfloat16)
+    act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     _nf4_expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
         x, idx, gate_up.packed, gate_up.scales, gate_up.code, act, H, inter, gate_up.packed.stride(0),
         gate_up.scales.stride(0), K=k, BLOCK_N=GU["block_n"], BLOCK_K=GU["block_k"], EVEN=H % GU["block_k"] == 0,

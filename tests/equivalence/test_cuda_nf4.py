@@ -217,7 +217,8 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
     """One Gemma-4 26B-A4B layer's experts (128, top 8, hidden 2816, 704 each) in NF4: the
     kernels (default and other launches, plain and PDL) at 1 to 64 tokens and the grouped path
     (prefill) at 65 and 300, against moe.experts_ref on bitsandbytes' dequantize_4bit of the same
-    packed weights; the decode kernels replayed from a CUDA graph."""
+    packed weights; the decode kernels replayed from a CUDA graph. In bf16, where the CUDA kernel
+    builds, the same for its tensor-core tiles (nf4_cuda.EXPERT_LAUNCHES, plain and PDL)."""
     bnb = pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
@@ -241,6 +242,9 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
     launches = [{}, dict(pdl=pdl), dict(shfl=False),
                 dict(gate_up_launch=dict(block_n=4, block_k=128, warps=2, stages=2),
                      down_launch=dict(block_n=32, block_k=128, warps=4, stages=2))]
+    tiles = dtype == torch.bfloat16 and nf4_cuda.extension() is not None
+    if tiles:
+        launches += [dict(tiles=t) for t in nf4_cuda.EXPERT_LAUNCHES] + [dict(tiles=(8, 1), pdl=pdl)]
     worst = 0.0
     for T in (1, 2, 8, 64, 65, 300):
         idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices
@@ -250,6 +254,7 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
         want = torch.cat([moe.experts_ref(x[i:i + 16], idx[i:i + 16], w[i:i + 16], want_gu, want_dn)
                           for i in range(0, T, 16)])
         got = [ex(x, idx, w)]  # the kernels up to moe.MAX_TOKENS, then the grouped products
+        assert nf4_cuda.experts_fit(x, ex.gate_up, ex.down) == (dtype == torch.bfloat16)
         if T <= moe.MAX_TOKENS:
             got += [nf4_moe.experts(x, idx.int(), w, ex.gate_up, ex.down, **kw) for kw in launches]
         for y in got:
@@ -260,12 +265,13 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
     x = torch.randn(8, H, device="cuda", dtype=dtype)
     idx = torch.rand(8, E, device="cuda").topk(k, dim=1).indices.int()
     w = torch.rand(8, k, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = nf4_moe.experts(x, idx, w, ex.gate_up, ex.down)
-    x.normal_()
-    graph.replay()
-    assert torch.equal(out, nf4_moe.experts(x, idx, w, ex.gate_up, ex.down))
+    for kw in [{}] + ([dict(tiles=(8, 1), pdl=pdl)] if tiles else []):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = nf4_moe.experts(x, idx, w, ex.gate_up, ex.down, **kw)
+        x.normal_()
+        graph.replay()
+        assert torch.equal(out, nf4_moe.experts(x, idx, w, ex.gate_up, ex.down, **kw))
     print(f"nf4 experts {dtype}: worst relative error against dequantize_4bit + the stock math {worst:.1e}")
 
 

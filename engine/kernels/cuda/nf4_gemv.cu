@@ -316,17 +316,72 @@ __device__ __forceinline__ void load_tile_steps_to(TileStep (&st)[TABLE_DEPTH], 
   }
 }
 
-// Persistent blocks, one per SM: the table is built and each warp's first groups are loaded before
-// the PDL wait (neither reads what the kernel before writes); warp i of the grid then takes work
-// items i, i + warps in grid, ... (item: tile item / splits, K slice item % splits), keeping up to
-// 2 TABLE_DEPTH groups' loads in flight: whole batches of 2 TABLE_DEPTH groups, then the slice's
-// last 1 to 2 TABLE_DEPTH - 1 groups with their loads bounded by its end (MODE 2 makes up the words
-// of whole batches only).
+// A warp's work item on the tiles: the lane's two weight rows (their bytes from its 8-byte part of
+// group 0, and their absmax), its x row (from its 16 columns of group 0), and the item's groups
+// [g_lo, g_hi) of K.
+struct TileItem {
+  const uint8_t* pa;
+  const uint8_t* pb;
+  const float* sa;
+  const float* sb;
+  const uint4* xrow;
+  int g_lo, g_hi;
+};
+
+// The lane's two rows a, b (rows past the weight's repeat its last) in a weight of `stride_p` bytes
+// and `stride_s` absmax per row.
+__device__ __forceinline__ TileItem tile_rows(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
+                                              int ra, int rb, const __nv_bfloat16* xr, int g_lo, int g_hi) {
+  const int t = threadIdx.x & 3;
+  return {packed + (size_t)ra * stride_p + 8 * t, packed + (size_t)rb * stride_p + 8 * t,
+          absmax + (size_t)ra * stride_s, absmax + (size_t)rb * stride_s,
+          reinterpret_cast<const uint4*>(xr) + 2 * t, g_lo, g_hi};
+}
+
+// One item's products over its groups: whole batches of 2 TABLE_DEPTH groups, each batch computed
+// while the next loads, then the last 1 to 2 TABLE_DEPTH - 1 groups with their loads bounded by the
+// slice's end (MODE 2 makes up the words of whole batches only). st holds the item's first groups'
+// loads on entry (load_tile_steps_to at g_lo).
 template <int MODE>
-__global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed, const float* __restrict__ absmax,
-    const float* __restrict__ code, float* __restrict__ partial, __nv_bfloat16* __restrict__ y,
-    int n, int k, int stride_p, int stride_s, int groups_per_split, int m, int stride_x) {
+__device__ __forceinline__ void tile_k_loop(TileStep (&st)[TABLE_DEPTH], const TileItem& it, uint32_t lane_addr,
+                                            float (&acc)[4]) {
+  TileStep nx[TABLE_DEPTH];
+  const int whole = it.g_lo + (it.g_hi - it.g_lo) / (2 * TABLE_DEPTH) * (2 * TABLE_DEPTH);  // whole batches' end
+  for (int g0 = it.g_lo; g0 < whole; g0 += 2 * TABLE_DEPTH) {
+    const uint4* xp = it.xrow + 8 * g0;
+    load_tile_steps<MODE>(nx, it.pa, it.pb, it.sa, it.sb, g0 + TABLE_DEPTH);
+#pragma unroll
+    for (int i = 0; i < TABLE_DEPTH; ++i) {
+      tile_products<MODE>(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+    }
+    if (g0 + 2 * TABLE_DEPTH < whole) {
+      load_tile_steps<MODE>(st, it.pa, it.pb, it.sa, it.sb, g0 + 2 * TABLE_DEPTH);
+    } else if (whole < it.g_hi) {
+      load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, whole, it.g_hi);
+    }
+    xp += 8 * TABLE_DEPTH;
+#pragma unroll
+    for (int i = 0; i < TABLE_DEPTH; ++i) {
+      tile_products<MODE>(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+    }
+  }
+  if (whole < it.g_hi) {  // the last groups: st holds the first TABLE_DEPTH of them
+    load_tile_steps_to(nx, it.pa, it.pb, it.sa, it.sb, whole + TABLE_DEPTH, it.g_hi);
+#pragma unroll
+    for (int i = 0; i < 2 * TABLE_DEPTH; ++i) {
+      const uint4* xp = it.xrow + 8 * min(whole + i, it.g_hi - 1);
+      tile_products<MODE>(i < TABLE_DEPTH ? st[i] : nx[i - TABLE_DEPTH], load_x(xp), load_x(xp + 1), lane_addr, acc);
+    }
+  }
+}
+
+// Persistent blocks, one per SM: the table is built before the PDL wait, and each warp's first
+// item's first groups are loaded before it too where the item's rows do not depend on what the
+// kernel before writes (Work::kRowsBeforeWait); warp i of the grid then takes work items i, i +
+// warps in grid, ... of `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`), loading
+// the next item's first groups right after an item's products.
+template <int MODE, class Work>
+__device__ __forceinline__ void run_tiles(const Work& work, const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
@@ -335,72 +390,55 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(
     const int v = i >> 5;
     table[v * 64 + (i & 31)] = bf16x2_bits(__ldg(code + (v >> 4)), __ldg(code + (v & 15)));
   }
-  const int lane = threadIdx.x & 31, t = lane & 3;
-  const uint32_t lane_addr = table_addr | (uint32_t)lane * 4u;
-  // this lane's x row (the mma's column lane / 4), its 16 columns of each group
-  const uint4* xrow = reinterpret_cast<const uint4*>(x + (size_t)min(lane >> 2, m - 1) * stride_x) + 2 * t;
-  const int groups = k >> 6;
-  const int splits = (groups + groups_per_split - 1) / groups_per_split;
-  const int items = ((n + 15) >> 4) * splits;
-  const int warps = (gridDim.x * blockDim.x) >> 5;
+  const uint32_t lane_addr = table_addr | (threadIdx.x & 31) * 4u;
+  const int items = work.count(), warps = (gridDim.x * blockDim.x) >> 5;
   int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  // the current item: rows row0 + lane / 4 and row0 + 8 + lane / 4 (rows past the last repeat it and
-  // are not stored), groups [g_lo, g_hi)
-  int row0 = 0, slice = 0, g_lo = 0, g_hi = 0;
-  const uint8_t *pa = packed, *pb = packed;
-  const float *sa = absmax, *sb = absmax;
-  auto start = [&](int i) {
-    const int tile = i / splits;
-    slice = i - tile * splits;
-    row0 = tile * 16;
-    g_lo = slice * groups_per_split;
-    g_hi = min(g_lo + groups_per_split, groups);
-    const int ra = min(row0 + (lane >> 2), n - 1), rb = min(row0 + 8 + (lane >> 2), n - 1);
-    pa = packed + (size_t)ra * stride_p + 8 * t;
-    pb = packed + (size_t)rb * stride_p + 8 * t;
-    sa = absmax + (size_t)ra * stride_s;
-    sb = absmax + (size_t)rb * stride_s;
-  };
-  TileStep st[TABLE_DEPTH], nx[TABLE_DEPTH];
-  if (item < items) {
-    start(item);
-    load_tile_steps_to(st, pa, pb, sa, sb, g_lo, g_hi);
+  TileStep st[TABLE_DEPTH];
+  TileItem it{};
+  if (Work::kRowsBeforeWait && item < items) {
+    it = work.item(item);
+    load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
   }
   __syncthreads();  // the table
   pdl_enter();
+  if (!Work::kRowsBeforeWait && item < items) {
+    it = work.item(item);
+    load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
+  }
   for (; item < items; item += warps) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const int whole = g_lo + (g_hi - g_lo) / (2 * TABLE_DEPTH) * (2 * TABLE_DEPTH);  // the end of whole batches
-    for (int g0 = g_lo; g0 < whole; g0 += 2 * TABLE_DEPTH) {  // two batches, each computed while the other loads
-      const uint4* xp = xrow + 8 * g0;
-      load_tile_steps<MODE>(nx, pa, pb, sa, sb, g0 + TABLE_DEPTH);
-#pragma unroll
-      for (int i = 0; i < TABLE_DEPTH; ++i) {
-        tile_products<MODE>(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
-      }
-      if (g0 + 2 * TABLE_DEPTH < whole) {
-        load_tile_steps<MODE>(st, pa, pb, sa, sb, g0 + 2 * TABLE_DEPTH);
-      } else if (whole < g_hi) {
-        load_tile_steps_to(st, pa, pb, sa, sb, whole, g_hi);
-      }
-      xp += 8 * TABLE_DEPTH;
-#pragma unroll
-      for (int i = 0; i < TABLE_DEPTH; ++i) {
-        tile_products<MODE>(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
-      }
+    tile_k_loop<MODE>(st, it, lane_addr, acc);
+    work.store(item, acc);
+    if (item + warps < items) {
+      it = work.item(item + warps);
+      load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
     }
-    if (whole < g_hi) {  // the last groups: st holds the first TABLE_DEPTH of them
-      load_tile_steps_to(nx, pa, pb, sa, sb, whole + TABLE_DEPTH, g_hi);
+  }
+}
+
+// y [M, N] = x [M, K] @ W^T: item tile / splits takes rows 16 tile .. 16 tile + 15 over K slice
+// item % splits; lane l's x row is min(l / 4, M - 1) (the mma's column l / 4).
+struct DenseTiles {
+  const __nv_bfloat16* x;
+  const uint8_t* packed;
+  const float* absmax;
+  float* partial;  // [splits, M, N] float32 where K is split
+  __nv_bfloat16* y;
+  int n, m, stride_x, stride_p, stride_s, groups, groups_per_split, splits;
+  static constexpr bool kRowsBeforeWait = true;
+
+  __device__ int count() const { return (n + 15) / 16 * splits; }
+  __device__ TileItem item(int i) const {
+    const int tile = i / splits, slice = i - tile * splits, g = (threadIdx.x & 31) >> 2;
+    const int lo = slice * groups_per_split;
+    return tile_rows(packed, absmax, stride_p, stride_s, min(16 * tile + g, n - 1), min(16 * tile + 8 + g, n - 1),
+                     x + (size_t)min(g, m - 1) * stride_x, lo, min(lo + groups_per_split, groups));
+  }
+  __device__ void store(int i, const float (&acc)[4]) const {
+    const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
+    const int ra = 16 * tile + (lane >> 2), rb = ra + 8;
 #pragma unroll
-      for (int i = 0; i < 2 * TABLE_DEPTH; ++i) {
-        const uint4* xp = xrow + 8 * min(whole + i, g_hi - 1);
-        tile_products<MODE>(i < TABLE_DEPTH ? st[i] : nx[i - TABLE_DEPTH], load_x(xp), load_x(xp + 1), lane_addr,
-                            acc);
-      }
-    }
-    const int ra = row0 + (lane >> 2), rb = ra + 8;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // y [M, N] (float32 partials [split, M, N] when K is split)
+    for (int j = 0; j < 2; ++j) {  // lane t holds the mma's columns (x rows) 2t and 2t + 1
       const int col = 2 * t + j;
       if (col >= m) continue;
       if (splits > 1) {
@@ -412,11 +450,86 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(
         if (rb < n) y[(size_t)col * n + rb] = __float2bfloat16(acc[2 + j]);
       }
     }
-    if (item + warps < items) {
-      start(item + warps);
-      load_tile_steps_to(st, pa, pb, sa, sb, g_lo, g_hi);
-    }
   }
+};
+
+template <int MODE>
+__global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles work, const float* __restrict__ code) {
+  run_tiles<MODE>(work, code);
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// The experts' first stage (kernels/nf4_moe.py's layout: expert e's gate rows at e * 2I of gate_up,
+// its up rows I after them), one (token, chosen expert) pair at a time: item (pair, j) takes the
+// pair's expert's gate rows 8j .. 8j + 7 as the tile's first eight rows and the matching up rows as
+// its last eight, against the pair's token, and stores gelu_tanh(gate) * up for those 8 columns of
+// the pair's activation, each product and the activation rounded to bf16 where the stock module
+// rounds them (as moe.py's _store_activation).
+struct ExpertGateUpTiles {
+  const __nv_bfloat16* x;  // [T, H]
+  const int* experts;      // [T * top_k], the pairs' experts
+  const uint8_t* packed;
+  const float* absmax;
+  __nv_bfloat16* act;  // [T * top_k, I]
+  int pairs, top_k, inter, stride_x, stride_p, stride_s, groups;
+  static constexpr bool kRowsBeforeWait = false;  // the experts are the router's output
+
+  __device__ int count() const { return pairs * (inter / 8); }
+  __device__ TileItem item(int i) const {
+    const int per = inter / 8, p = i / per, j = i - p * per, g = (threadIdx.x & 31) >> 2;
+    const int row = experts[p] * 2 * inter + 8 * j + g;
+    return tile_rows(packed, absmax, stride_p, stride_s, row, row + inter, x + (size_t)(p / top_k) * stride_x, 0,
+                     groups);
+  }
+  __device__ void store(int i, const float (&acc)[4]) const {
+    const int per = inter / 8, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
+    if (lane & 3) return;  // every column holds the same sums
+    const float g = round_bf16(acc[0]), u = round_bf16(acc[2]);
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float a = round_bf16(0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f)));
+    act[(size_t)p * inter + 8 * j + (lane >> 2)] = __float2bfloat16(a * u);
+  }
+};
+
+// The experts' second stage: item (pair, j) takes the pair's expert's down rows 16j .. 16j + 15
+// (expert e's rows at e * H) against the pair's activation, and stores them rounded to bf16 and
+// weighted by the router, float32, into the pair's partial [H] (moe.py's _sum_pairs adds a token's
+// top_k partials in order).
+struct ExpertDownTiles {
+  const __nv_bfloat16* act;  // [pairs, I]
+  const int* experts;
+  const float* weights;  // [pairs]
+  const uint8_t* packed;
+  const float* absmax;
+  float* part;  // [pairs, H]
+  int pairs, hidden, inter, stride_p, stride_s, groups;
+  static constexpr bool kRowsBeforeWait = false;
+
+  __device__ int count() const { return pairs * (hidden / 16); }
+  __device__ TileItem item(int i) const {
+    const int per = hidden / 16, p = i / per, j = i - p * per, g = (threadIdx.x & 31) >> 2;
+    const int row = experts[p] * hidden + 16 * j + g;
+    return tile_rows(packed, absmax, stride_p, stride_s, row, row + 8, act + (size_t)p * inter, 0, groups);
+  }
+  __device__ void store(int i, const float (&acc)[4]) const {
+    const int per = hidden / 16, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
+    if (lane & 3) return;
+    const float w = weights[p];
+    float* out = part + (size_t)p * hidden + 16 * j + (lane >> 2);
+    out[0] = round_bf16(acc[0]) * w;
+    out[8] = round_bf16(acc[2]) * w;
+  }
+};
+
+__global__ void __launch_bounds__(512, 1) nf4_expert_gate_up_kernel(const ExpertGateUpTiles work,
+                                                                    const float* __restrict__ code) {
+  run_tiles<0>(work, code);
+}
+
+__global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDownTiles work,
+                                                                 const float* __restrict__ code) {
+  run_tiles<0>(work, code);
 }
 
 __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat16* __restrict__ y, int n,
@@ -439,7 +552,7 @@ template __global__ void nf4_gemv_kernel<8, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<1, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<2, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
-template __global__ void nf4_gemv_table_kernel<0>(KERNEL_ARGS, int, int);
+template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -479,6 +592,28 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem, cudaStr
   }
 }
 
+// A tile kernel (one block per SM at most, `warps` warps each) for `items` work items, with its
+// opt-in to more than 48 KiB of dynamic shared memory made once per kernel and device.
+template <class Work>
+void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64_t warps, int64_t blocks,
+                  const torch::Device& device, cudaStream_t stream, bool pdl, const Work& work, const float* code) {
+  TORCH_CHECK(blocks > 0 && warps >= 1 && warps <= 16, "tiles on tensor cores: 1-16 warps in 1 or more blocks");
+  static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
+  {
+    static std::mutex mutex;
+    static std::bitset<256> opted_in;  // per device, for this kernel
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!opted_in[device.index()]) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
+      opted_in[device.index()] = true;
+    }
+  }
+  if (items > 0) {
+    launch(kernel, dim3(std::min<int64_t>(blocks, (items + warps - 1) / warps)), dim3(32 * warps), TABLE_SMEM, stream,
+           pdl, work, code);
+  }
+}
+
 // x [M, K] bf16 (rows contiguous, 16-byte aligned), packed [N, K/2] uint8, absmax [N, K/64] float32,
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
@@ -506,10 +641,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8 && blocks > 0 && warps <= 16,
-                "tiles on tensor cores: 1-8 rows of x, at most 16 warps");
-    auto* table_kernel = mode == 1 ? nf4_gemv_table_kernel<1>
-                                   : mode == 2 ? nf4_gemv_table_kernel<2> : nf4_gemv_table_kernel<0>;
+    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
     const int groups = k / 64, tiles = (n + 15) / 16, step = 2 * TABLE_DEPTH;
     if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting a
       // round's start (its first loads in flight) as two groups
@@ -524,20 +656,12 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     if (per > step) per = (per + step - 1) / step * step;  // slices of whole load batches, the last one shorter
     split = (groups + per - 1) / per;
     part = partials(split);
-    static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
-    {  // once per device, at its first launch: the opt-in to more than 48 KiB of dynamic shared memory
-      static std::mutex mutex;
-      static std::bitset<256> opted_in[3];
-      const std::lock_guard<std::mutex> lock(mutex);
-      const int device = x.device().index();
-      if (!opted_in[mode][device]) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
-        opted_in[mode][device] = true;
-      }
-    }
-    launch(table_kernel, dim3(std::min<int64_t>(blocks, (tiles * split + warps - 1) / warps)),
-           dim3(32 * warps), TABLE_SMEM, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per, m,
-           static_cast<int>(x.stride(0)));
+    const DenseTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per,
+                          static_cast<int>(split)};
+    const int64_t items = static_cast<int64_t>(tiles) * split;
+    if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    else launch_tiles(nf4_gemv_table_kernel<0>, items, warps, blocks, x.device(), stream, pdl, work, cp);
   } else {
     TORCH_CHECK(m == 1, "1-8 weight rows per warp take one row of x");
     const int chunks = k / 32;
@@ -561,5 +685,35 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     launch(sum_splits_kernel, dim3((m * n + 255) / 256), dim3(256), 0, stream, pdl, static_cast<const float*>(part),
            yp, m * n, static_cast<int>(split));
   }
+}
+
+// The experts' two stages on tiles (kernels/nf4_moe.py): x [T, H] bf16, experts [T * top_k] int32,
+// gate_up packed [E * 2I, H / 2] with absmax [E * 2I, H / 64] -> act [T * top_k, I] bf16; act,
+// experts, weights [T * top_k] float32, down packed [E * H, I / 2] with absmax [E * H, I / 64] ->
+// part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller).
+void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, torch::Tensor absmax,
+                         torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks, bool pdl) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int pairs = experts.numel(), inter = act.size(1);
+  const ExpertGateUpTiles work{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), experts.data_ptr<int>(),
+                               packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                               reinterpret_cast<__nv_bfloat16*>(act.data_ptr()), pairs, static_cast<int>(top_k), inter,
+                               static_cast<int>(x.stride(0)), static_cast<int>(packed.stride(0)),
+                               static_cast<int>(absmax.stride(0)), static_cast<int>(x.size(1) / 64)};
+  launch_tiles(nf4_expert_gate_up_kernel, static_cast<int64_t>(pairs) * (inter / 8), warps, blocks, x.device(),
+               c10::cuda::getCurrentCUDAStream(), pdl, work, code.data_ptr<float>());
+}
+
+void nf4_experts_down(torch::Tensor act, torch::Tensor experts, torch::Tensor weights, torch::Tensor packed,
+                      torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, int64_t blocks,
+                      bool pdl) {
+  const c10::cuda::CUDAGuard guard(act.device());
+  const int pairs = experts.numel(), hidden = part.size(1), inter = act.size(1);
+  const ExpertDownTiles work{reinterpret_cast<const __nv_bfloat16*>(act.data_ptr()), experts.data_ptr<int>(),
+                             weights.data_ptr<float>(), packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                             part.data_ptr<float>(), pairs, hidden, inter, static_cast<int>(packed.stride(0)),
+                             static_cast<int>(absmax.stride(0)), inter / 64};
+  launch_tiles(nf4_expert_down_kernel, static_cast<int64_t>(pairs) * (hidden / 16), warps, blocks, act.device(),
+               c10::cuda::getCurrentCUDAStream(), pdl, work, code.data_ptr<float>());
 }
 #endif
