@@ -1,9 +1,10 @@
-"""The one-row CUDA NF4 kernel (engine/kernels/cuda/nf4_gemv.cu) compiled for Hopper (sm_90) on the
-CPU, where a CUDA compiler is installed: every product kernel a launch can pick builds without
+"""The CUDA NF4 kernels (engine/kernels/cuda/nf4_gemv.cu) compiled for Hopper (sm_90) on the CPU,
+where a CUDA compiler is installed: every product kernel a launch can pick builds without
 spilling, and its K loop is what the source intends. The shuffles must stay in converged code
 (a loop whose trip count the compiler cannot prove warp-uniform wraps every shuffle in a
 collective sequence, four times the instructions), one shuffle per weight, one 16-byte load per
-row's chunk."""
+row's chunk; the tensor-core tiles look a byte's two codes up with one permute and one
+shared-memory load."""
 
 import collections
 import os
@@ -74,14 +75,16 @@ def _loops(text: str) -> list[collections.Counter]:
     return [collections.Counter(op.findall("\n".join(lines[a:b + 1]))) for a, b in spans]
 
 
-def test_the_tile_kernel_looks_up_two_codes_per_permute_and_load(built):
-    """The tensor-core tile kernel's K loop: each byte's two codes by one byte permute (the table
-    address) and one shared-memory load, four per mma of 16 x 16 weights, no spills or local
-    memory, and at most 2 instructions per weight a lane multiplies; the loop over work items
-    around it (and the slices' last groups) has no local memory either."""
+@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernel", "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
+def test_the_tile_kernels_look_up_two_codes_per_permute_and_load(built, kernel):
+    """The tensor-core tile kernels' K loop (dense, and the experts' two stages): each byte's two
+    codes by one byte permute (the table address) and one shared-memory load, four per mma of 16
+    x 16 weights, no spills or local memory, and at most 2 instructions per weight a lane
+    multiplies; the loop over work items around it (and the slices' last groups) has no local
+    memory either."""
     log, sass = built
-    assert re.search(r"nf4_gemv_table_kernel", log)
-    part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(r"\s*\.text\.\S*nf4_gemv_table_kernel", p))
+    assert re.search(kernel, log)
+    part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(rf"\s*\.text\.\S*{kernel}", p))
     loops = [c for c in _loops(part) if c["HMMA.16816"]]
     assert len(loops) == 2, loops  # the K loop, inside the loop over work items
     inner = loops[0]
