@@ -68,19 +68,37 @@ def extension():
         return None
 
 
+TILE_SHARED_BYTES = 128 * 1024  # a tile block's shared memory: the table and its 64 KiB alignment
+
+
+@functools.cache
+def tiles_supported(index: int) -> bool:
+    """Whether device `index` runs the tiles: bf16 mma.sync (compute capability 8.0) and a block's
+    opt-in shared memory for the table."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major >= 8 and getattr(props, "shared_memory_per_block_optin", 0) >= TILE_SHARED_BYTES
+
+
+def _weight_fits(w, device: torch.device, k: int) -> bool:
+    return (w.packed.device == w.scales.device == w.code.device == device and w.packed.dtype == torch.uint8
+            and w.shape[1] == k and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
+            and w.packed.data_ptr() % 16 == 0 and w.scales.dtype == torch.float32 and w.scales.stride(1) == 1
+            and w.scales.shape[1] * 64 >= k and w.code.dtype == torch.float32 and w.code.is_contiguous()
+            and w.code.numel() == 16)
+
+
 def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) -> bool:
-    """Whether the kernel takes this product (with `launch`, where given): bf16 rows, 16-byte
-    aligned, on the weight's CUDA device; one row, or 1-8 rows for tiles."""
-    if launch is not None and launch[0] == TILE_ROWS:
-        if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.stride(0) % 8:
-            return False
-    elif x.dim() != 2 or x.shape[0] != 1:
+    """Whether the kernel takes this product (with `launch`, where given): bf16 rows of the
+    weight's K, 16-byte aligned, on the weight's CUDA device; one row, or 1-8 rows for tiles (on a
+    GPU that runs them)."""
+    if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
-    return (x.is_cuda and x.device == w.packed.device == w.scales.device == w.code.device
-            and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and x.data_ptr() % 16 == 0 and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
-            and w.packed.data_ptr() % 16 == 0 and w.scales.stride(1) == 1 and w.code.dtype == torch.float32
-            and w.code.is_contiguous())
+    if launch is not None and launch[0] == TILE_ROWS:
+        if not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.stride(0) % 8 or not tiles_supported(x.device.index):
+            return False
+    elif x.shape[0] != 1:
+        return False
+    return x.shape[1] > 0 and _weight_fits(w, x.device, x.shape[1])
 
 
 def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: bool = False,
@@ -108,12 +126,11 @@ def experts_fit(x: torch.Tensor, gate_up, down) -> bool:
     """Whether the experts' tiles take these operands: bf16 tokens whose rows are 16-byte aligned,
     on the weights' CUDA device, H a multiple of 16 and I of 64 (kernels/nf4_moe.py's layout)."""
     hidden, inter = gate_up.shape[1], down.shape[1]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and hidden % 16 == 0 and inter % 64 == 0
-            and x.device == gate_up.packed.device == down.packed.device
-            and all(w.packed.stride(1) == 1 and w.packed.stride(0) % 8 == 0 and w.packed.data_ptr() % 16 == 0
-                    and w.scales.stride(1) == 1 and w.code.dtype == torch.float32 and w.code.is_contiguous()
-                    for w in (gate_up, down)))
+            and tiles_supported(x.device.index) and gate_up.shape[0] % (2 * inter) == 0
+            and down.shape[0] % hidden == 0 and _weight_fits(gate_up, x.device, hidden)
+            and _weight_fits(down, x.device, inter))
 
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up, down,

@@ -228,12 +228,10 @@ struct TileStep {
   float sa, sb;
 };
 
-// x is written by the kernel before this one: read with a plain (coherent) load, after the PDL wait
-__device__ __forceinline__ uint4 load_x(const uint4* p) {
-  uint4 v;
-  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+// x is written by the kernel before this one: read with a plain load (not through the read-only
+// cache: the pointer is not __restrict__), which the compiler keeps after the PDL wait's memory
+// clobber
+__device__ __forceinline__ uint4 load_x(const uint4* p) { return *p; }
 
 // Byte j of `word` looked up in this lane's copy of the table (lane_addr: the table's shared address
 // plus lane * 4; the permute puts the byte in bits 8-15).
@@ -243,12 +241,18 @@ __device__ __forceinline__ uint32_t pair_codes(uint32_t word, uint32_t lane_addr
   return v;
 }
 
+// bf16 mma.sync needs compute capability 8.0 (nf4_cuda.fits keeps the tiles from older GPUs, for
+// which the extension still builds the row kernels)
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
 }
 
 // acc += the group's products x their absmax: acc[0], acc[1] for the lane's first weight row
@@ -592,6 +596,18 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem, cudaStr
   }
 }
 
+// An NF4 weight of N rows and K columns as the kernels read it (the caller checks devices and
+// alignment).
+void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, const torch::Tensor& code, int64_t n,
+                  int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0 && k % 64 == 0 && packed.scalar_type() == torch::kByte && packed.dim() == 2 &&
+                  packed.size(0) == n && packed.size(1) * 2 == k && packed.stride(1) == 1 &&
+                  absmax.scalar_type() == torch::kFloat && absmax.dim() == 2 && absmax.size(0) == n &&
+                  absmax.size(1) * 64 >= k && absmax.stride(1) == 1 && code.scalar_type() == torch::kFloat &&
+                  code.is_contiguous() && code.numel() == 16,
+              "an NF4 weight: packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32, K a multiple of 64");
+}
+
 // A tile kernel (one block per SM at most, `warps` warps each) for `items` work items, with its
 // opt-in to more than 48 KiB of dynamic shared memory made once per kernel and device.
 template <class Work>
@@ -625,6 +641,11 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
   const int n = packed.size(0), k = x.size(-1), m = x.size(0);
+  check_weight(packed, absmax, code, n, k);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && m >= 1 &&
+                  y.scalar_type() == torch::kBFloat16 && y.is_contiguous() && y.numel() == static_cast<int64_t>(m) * n &&
+                  warps >= 1,
+              "x [M, K] bf16 rows, y [M, N] bf16 contiguous, one warp or more");
   const c10::cuda::CUDAGuard guard(x.device());  // x's device and its current stream
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
@@ -693,8 +714,14 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
 // part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller).
 void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, torch::Tensor absmax,
                          torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks, bool pdl) {
+  const int pairs = experts.numel(), inter = act.size(1), hidden = x.size(1);
+  check_weight(packed, absmax, code, packed.size(0), hidden);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
+                  experts.scalar_type() == torch::kInt && experts.is_contiguous() &&
+                  pairs == x.size(0) * top_k && act.scalar_type() == torch::kBFloat16 && act.is_contiguous() &&
+                  act.size(0) == pairs && inter % 8 == 0 && packed.size(0) % (2 * inter) == 0,
+              "x [T, H] bf16, experts [T * top_k] int32, act [T * top_k, I] bf16, gate/up rows 2I per expert");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int pairs = experts.numel(), inter = act.size(1);
   const ExpertGateUpTiles work{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), experts.data_ptr<int>(),
                                packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
                                reinterpret_cast<__nv_bfloat16*>(act.data_ptr()), pairs, static_cast<int>(top_k), inter,
@@ -707,8 +734,15 @@ void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor p
 void nf4_experts_down(torch::Tensor act, torch::Tensor experts, torch::Tensor weights, torch::Tensor packed,
                       torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, int64_t blocks,
                       bool pdl) {
-  const c10::cuda::CUDAGuard guard(act.device());
   const int pairs = experts.numel(), hidden = part.size(1), inter = act.size(1);
+  check_weight(packed, absmax, code, packed.size(0), inter);
+  TORCH_CHECK(act.scalar_type() == torch::kBFloat16 && act.is_contiguous() && act.size(0) == pairs &&
+                  experts.scalar_type() == torch::kInt && experts.is_contiguous() &&
+                  weights.scalar_type() == torch::kFloat && weights.is_contiguous() && weights.numel() == pairs &&
+                  part.scalar_type() == torch::kFloat && part.is_contiguous() && part.size(0) == pairs &&
+                  hidden % 16 == 0 && packed.size(0) % hidden == 0,
+              "act [P, I] bf16, experts [P] int32, weights [P] float32, part [P, H] float32, down rows H per expert");
+  const c10::cuda::CUDAGuard guard(act.device());
   const ExpertDownTiles work{reinterpret_cast<const __nv_bfloat16*>(act.data_ptr()), experts.data_ptr<int>(),
                              weights.data_ptr<float>(), packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
                              part.data_ptr<float>(), pairs, hidden, inter, static_cast<int>(packed.stride(0)),
