@@ -46,7 +46,7 @@ def extension():
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
-        log.info("no CUDA compiler: the one-row NF4 product runs on the Triton kernels only")
+        log.info("no CUDA compiler: the NF4 products run on the Triton kernels only")
         return None
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
             "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
@@ -61,7 +61,8 @@ def extension():
     log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
     try:
         return cpp_extension.load_inline(
-            "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(), functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down"],
+            "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(),
+            functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
         log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
@@ -108,17 +109,15 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
     measurement variants, not the product)."""
     rows, warps, split, per_sm = launch
-    n = w.shape[0]
-    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    # y where no partials are read; tiles allocate theirs (their split is chosen in the kernel's launcher)
-    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 and rows != TILE_ROWS else y
-    blocks = per_sm * sms
-    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, part, rows, warps, split, mode, blocks, pdl)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    # the launcher allocates the float32 partials of a K split (it settles the split), so y stands
+    # for the partials buffer here
+    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, y, rows, warps, split, mode, per_sm * sms, pdl)
     return y
 
 
-# the experts' tile launches (warps per block, blocks per SM) the GPU tests and `bench.nf4_cuda
-# --experts` run
+# the experts' tile launches (warps per block, blocks per SM) the GPU tests and `bench.tune_kernels
+# --experts --nf4` run
 EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1))
 
 

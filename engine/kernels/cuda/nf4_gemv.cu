@@ -632,7 +632,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 
 // x [M, K] bf16 (rows contiguous, 16-byte aligned), packed [N, K/2] uint8, absmax [N, K/64] float32,
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
-// smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
+// it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
@@ -643,7 +643,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   const int n = packed.size(0), k = x.size(-1), m = x.size(0);
   check_weight(packed, absmax, code, n, k);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && m >= 1 &&
-                  y.scalar_type() == torch::kBFloat16 && y.is_contiguous() && y.numel() == static_cast<int64_t>(m) * n &&
+                  y.scalar_type() == torch::kBFloat16 && y.is_contiguous() &&
+                  y.numel() == static_cast<int64_t>(m) * n &&
                   warps >= 1,
               "x [M, K] bf16 rows, y [M, N] bf16 contiguous, one warp or more");
   const c10::cuda::CUDAGuard guard(x.device());  // x's device and its current stream
@@ -654,10 +655,12 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   const auto* sp = static_cast<const float*>(absmax.data_ptr<float>());
   const auto* cp = static_cast<const float*>(code.data_ptr<float>());
   const int stride_p = static_cast<int>(packed.stride(0)), stride_s = static_cast<int>(absmax.stride(0));
-  // float32 partials of each K slice (the caller's buffer where it holds them)
+  // float32 partials of each K slice (the caller's buffer where it is float32 and holds them)
   auto partials = [&](int64_t s) -> float* {
     if (s <= 1) return nullptr;
-    if (partial.numel() < s * m * n) partial = torch::empty({s, m, n}, x.options().dtype(torch::kFloat32));
+    if (partial.scalar_type() != torch::kFloat || partial.numel() < s * m * n) {
+      partial = torch::empty({s, m, n}, x.options().dtype(torch::kFloat32));
+    }
     return partial.data_ptr<float>();
   };
   float* part = nullptr;
@@ -713,7 +716,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
 // experts, weights [T * top_k] float32, down packed [E * H, I / 2] with absmax [E * H, I / 64] ->
 // part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller).
 void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, torch::Tensor absmax,
-                         torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks, bool pdl) {
+                         torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks,
+                         bool pdl) {
   const int pairs = experts.numel(), inter = act.size(1), hidden = x.size(1);
   check_weight(packed, absmax, code, packed.size(0), hidden);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
