@@ -38,7 +38,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from engine import ipc
 from engine.core.config import EngineConfig
@@ -47,6 +46,7 @@ from engine.core.types import EngineError, FinishReason, Request, TokenLogprobs,
 log = logging.getLogger("s5serve.client")
 
 WAKE_GROUP = 32  # streams resumed per pass of the event loop (see EngineClient._receive)
+_POLLIN = int(zmq.POLLIN)  # a plain int: the flag type's `&` builds enum members on every test
 
 
 class EngineDead(RuntimeError):
@@ -215,10 +215,13 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         ends = self.attach.ends if self.attach is not None else ipc.endpoints(1)
         self._ctx = zmq.Context(1)
-        self._actx = zmq.asyncio.Context(1)
-        self._outbox = self._actx.socket(zmq.PULL)
+        self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(ends.outs[self.index])
+        # The outbox is read by the event loop itself: its descriptor wakes `_frames` (below)
+        # rather than a zmq.asyncio future per message.
+        self._readable: asyncio.Future | None = None
+        self._loop.add_reader(self._outbox.FD, self._on_readable)
         self._inbox = self._ctx.socket(zmq.PUSH)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.connect(ends.inbox)
@@ -231,19 +234,20 @@ class EngineClient:
             self._engine_pid = self.attach.engine_pid
             self._watch_foreign(self.attach.engine_pid)
         decode = ipc.decoder(ipc.FromEngine).decode
-        first = asyncio.ensure_future(self._outbox.recv(copy=False))
+        first = asyncio.ensure_future(self._frames())
         done, _ = await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
         if first not in done:
             first.cancel()
             raise RuntimeError(self.error or "the engine process exited while starting")
-        msg = decode(first.result().buffer)
+        frames = first.result()
+        msg = decode(frames[0].buffer)
         if isinstance(msg, ipc.Failed):
             self.error = msg.error
             await self._reap()
             raise RuntimeError(msg.error)
         assert isinstance(msg, ipc.Started), msg
         self.info = msg.info
-        self._receiver = asyncio.create_task(self._receive(decode), name="s5serve-engine-receiver")
+        self._receiver = asyncio.create_task(self._receive(decode, frames[1:]), name="s5serve-engine-receiver")
         return self.info
 
     @property
@@ -290,10 +294,10 @@ class EngineClient:
             self._pidfd = None
         if self._receiver is not None:
             self._receiver.cancel()
+        self._loop.remove_reader(self._outbox.FD)
         self._inbox.close()
         self._outbox.close()
         self._ctx.term()
-        self._actx.term()
 
     def _wait_exit(self) -> None:
         """On a thread of its own: the moment the process ends, tell the event loop."""
@@ -338,18 +342,33 @@ class EngineClient:
                 self.on_death(why)
 
     # ---- the receiver ------------------------------------------------------------------------------
-    async def _receive(self, decode) -> None:
+    def _on_readable(self) -> None:
+        if self._readable is not None and not self._readable.done():
+            self._readable.set_result(None)
+
+    async def _frames(self) -> list[zmq.Frame]:
+        """Every message queued in the outbox, once there is at least one. zmq's descriptor only
+        says that the socket's state changed, so the queue is read until zmq says it is empty."""
         outbox = self._outbox
         while True:
+            frames = []
+            while outbox.getsockopt(zmq.EVENTS) & _POLLIN:
+                frames.append(outbox.recv(zmq.NOBLOCK, copy=False))
+            if frames:
+                return frames
+            self._readable = self._loop.create_future()
+            await self._readable
+
+    async def _receive(self, decode, frames: list[zmq.Frame]) -> None:
+        while True:
             try:
-                frames = [await outbox.recv(copy=False)]
-                while outbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # and every message queued behind it
-                    frames.append(await outbox.recv(copy=False))
+                frames = frames or await self._frames()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             waiting: dict[str, RequestStream] = {}  # streams whose consumer waits for these outputs
             for frame in frames:
                 self._take(decode(frame.buffer), waiting)
+            frames = []
             # Consumers resume in groups, one pass of the event loop each: a pass never runs more
             # than WAKE_GROUP streams' work, so timers and new requests wait at most that long.
             # This task yields after every group, the last too, so the next messages' first group
