@@ -17,7 +17,7 @@ from bisect import bisect_left
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,26 +60,68 @@ class LoopCounter:
         return [CounterMetricFamily(self.name, self.documentation, value=self.value)]
 
 
+class EngineStatsCollector:
+    """The engine's newest published stats (ipc.EngineStats) as metric families, built when
+    /metrics is rendered: taking a snapshot is one assignment on the event loop."""
+
+    GAUGES = (  # name, help, the snapshot's field
+        ("s5_requests_queued", "Requests waiting for admission", "num_waiting"),
+        ("s5_requests_running", "Requests holding a row and running", "num_running"),
+        ("s5_kv_block_utilization", "Share of paged KV blocks in use", "kv_block_utilization"),
+        ("s5_kv_rows_used", "KV rows in use (sessions and requests)", "rows_used"),
+        ("s5_sessions", "Open sessions", "num_sessions"),
+        ("s5_swapped_kv_bytes", "Host bytes of swapped session rows", "swapped_bytes"),
+        # The same load under vLLM's names, which Kubernetes inference gateways (Gateway API
+        # inference extension, llm-d) read to pick a replica. kv_cache_usage_perc is a share
+        # (0..1), as vLLM reports it.
+        ("vllm:num_requests_waiting", "Requests waiting for admission", "num_waiting"),
+        ("vllm:num_requests_running", "Requests running", "num_running"),
+        ("vllm:kv_cache_usage_perc", "Share of paged KV blocks in use (0..1)", "kv_block_utilization"),
+    )
+    COUNTERS = (  # name, help, label, [(label value, the engine's counter)]
+        ("s5_session_swaps", "Session rows moved to host memory (out) and back (in)", "direction",
+         [("out", "swaps_out"), ("in", "swaps_in")]),
+        ("s5_session_resumes", "Session rows brought back for a turn: swap-in (from host memory, no "
+         "recompute) or rebuild (replaying the transcript's forwards)", "path",
+         [("swap-in", "swaps_in"), ("rebuild", "rebuilds")]),
+        ("s5_session_rebuild_forwards", "Forwards replayed to rebuild rows", None, [(None, "rebuild_forwards")]),
+        ("s5_session_store_errors", "Failed reads or writes of the session database (a session whose "
+         "write failed continues in memory only)", None, [(None, "session_db_errors")]),
+        ("s5_invariant_checks", "Engine invariant checks run while idle", None, [(None, "invariant_checks")]),
+        ("s5_invariant_failures", "Engine invariant checks that failed (the engine process logs each)", None,
+         [(None, "invariant_failures")]),
+    )
+
+    def __init__(self) -> None:
+        self.stats = None  # the newest ipc.EngineStats; None until the engine publishes one
+
+    def collect(self) -> list[Metric]:
+        st = self.stats
+        out: list[Metric] = []
+        for name, doc, field in self.GAUGES:
+            out.append(GaugeMetricFamily(name, doc, value=getattr(st, field) if st is not None else 0))
+        totals = {} if st is None else {**st.counters, "invariant_checks": st.invariant_checks,
+                                        "invariant_failures": st.invariant_failures}
+        for name, doc, label, series in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+            for value, key in series:
+                family.add_metric([value] if label else [], totals.get(key, 0))
+            out.append(family)
+        return out
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()  # from the engine's stats
         own = self.own = CollectorRegistry()  # this front end's measurements
-        self.queued = Gauge("s5_requests_queued", "Requests waiting for admission", registry=r)
-        self.running = Gauge("s5_requests_running", "Requests holding a row and running", registry=r)
-        self.kv_utilization = Gauge("s5_kv_block_utilization", "Share of paged KV blocks in use", registry=r)
-        self.rows_used = Gauge("s5_kv_rows_used", "KV rows in use (sessions and requests)", registry=r)
-        self.sessions = Gauge("s5_sessions", "Open sessions", registry=r)
-        # The same load under vLLM's names, which Kubernetes inference gateways (Gateway API
-        # inference extension, llm-d) read to pick a replica. kv_cache_usage_perc is a share (0..1),
-        # as vLLM reports it.
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", registry=r)
-        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running", registry=r)
-        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of paged KV blocks in use (0..1)", registry=r)
+        self.engine_stats = EngineStatsCollector()
+        r.register(self.engine_stats)
         self.ttft = Histogram("s5_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=own)
         self.itl = LoopHistogram("s5_inter_token_latency_seconds", "Time between tokens", LATENCY)
         own.register(self.itl)
         self.e2e = Histogram("s5_request_latency_seconds", "End-to-end request latency", buckets=LATENCY, registry=own)
-        self.step = Histogram("s5_step_seconds", "Engine step time", buckets=LATENCY, registry=own)
+        self.step = LoopHistogram("s5_step_seconds", "Engine step time", LATENCY)
+        own.register(self.step)
         self.prompt_tokens = Counter("s5_prompt_tokens", "Prompt tokens received", registry=own)
         self.prefill_tokens = Counter("s5_prefill_tokens", "Tokens prefilled (computed)", registry=own)
         self.cached_tokens = Counter("s5_cached_tokens", "Prompt tokens reused from session rows", registry=own)
@@ -88,58 +130,23 @@ class Metrics:
         self.finished = Counter("s5_requests_finished", "Finished requests", ["finish_reason"], registry=own)
         self.rejections = Counter("s5_rejections", "Requests refused", ["code"], registry=own)
         self.evictions = Counter("s5_session_evictions", "Sessions evicted", ["reason"], registry=own)
-        self.swaps = Counter("s5_session_swaps", "Session rows moved to host memory (out) and back (in)",
-                             ["direction"], registry=r)
-        self.resumes = Counter("s5_session_resumes", "Session rows brought back for a turn: swap-in (from host "
-                               "memory, no recompute) or rebuild (replaying the transcript's forwards)",
-                               ["path"], registry=r)
-        self.rebuild_forwards = Counter("s5_session_rebuild_forwards", "Forwards replayed to rebuild rows", registry=r)
-        self.store_errors = Counter("s5_session_store_errors", "Failed reads or writes of the session database "
-                                    "(a session whose write failed continues in memory only)", registry=r)
-        self.swapped_bytes = Gauge("s5_swapped_kv_bytes", "Host bytes of swapped session rows", registry=r)
-        self.loop_lag = Histogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
-                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=own)
+        self.loop_lag = LoopHistogram("s5_event_loop_lag_seconds", "How late the event loop woke a 20 ms timer",
+                                      (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        own.register(self.loop_lag)
         self.loop_lag_max = Gauge("s5_event_loop_lag_max_seconds", "Worst event loop lag seen", registry=own)
         self._lag_max = 0.0
         self.gc_pause = Histogram("s5_gc_pause_seconds", "Front-end garbage collections (they stop the event loop)",
                                   ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1), registry=own)
         self._gc_pause_by_generation = [self.gc_pause.labels(str(g)) for g in range(3)]
         self._gc_started = 0.0
-        self.invariant_checks = Counter("s5_invariant_checks", "Engine invariant checks run while idle", registry=r)
-        self.invariant_failures = Counter("s5_invariant_failures", "Engine invariant checks that failed "
-                                          "(the engine process logs each)", registry=r)
-        self._seen = dict.fromkeys(("swaps_out", "swaps_in", "rebuilds", "rebuild_forwards", "session_db_errors",
-                                    "invariant_checks", "invariant_failures"), 0)
 
     def on_step(self, msg) -> None:
         """An engine message (ipc.StepOutputs), on the event loop: its step time, and the engine's
         stats snapshot when it carries one."""
         if msg.step_seconds > 0:
             self.step.observe(msg.step_seconds)
-        st = msg.stats
-        if st is None:
-            return
-        self.queued.set(st.num_waiting)
-        self.running.set(st.num_running)
-        self.vllm_waiting.set(st.num_waiting)
-        self.vllm_running.set(st.num_running)
-        self.vllm_kv_usage.set(st.kv_block_utilization)
-        self.rows_used.set(st.rows_used)
-        self.kv_utilization.set(st.kv_block_utilization)
-        self.sessions.set(st.num_sessions)
-        self.swapped_bytes.set(st.swapped_bytes)
-        counters = {"swaps_out": (self.swaps.labels("out"),), "swaps_in": (self.swaps.labels("in"),
-                                                                          self.resumes.labels("swap-in")),
-                    "rebuilds": (self.resumes.labels("rebuild"),), "rebuild_forwards": (self.rebuild_forwards,),
-                    "session_db_errors": (self.store_errors,), "invariant_checks": (self.invariant_checks,),
-                    "invariant_failures": (self.invariant_failures,)}
-        totals = {**st.counters, "invariant_checks": st.invariant_checks, "invariant_failures": st.invariant_failures}
-        for key, targets in counters.items():
-            n = totals.get(key, 0)
-            if n > self._seen[key]:
-                for counter in targets:
-                    counter.inc(n - self._seen[key])
-                self._seen[key] = n
+        if msg.stats is not None:
+            self.engine_stats.stats = msg.stats
 
     def observe_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)
