@@ -409,6 +409,71 @@ class Stolen:
             return None
 
 
+class ServerCPU:
+    """CPU time (user + system, from /proc) that the server's processes and this benchmark's own
+    process spent while the block ran, by role: `front_end` (the server process and any further
+    front-end processes), `engine` (engine.process), `tokenizer` (service.tokenize_worker) and
+    `client` (this process: the streams' client, with the lag poll beside it). On a machine whose
+    cores the engine shares with the rest, what the others take is what the engine loses.
+    Processes are found when the block starts; Linux only (empty elsewhere)."""
+
+    ROLES = (("engine.process", "engine"), ("service.tokenize_worker", "tokenizer"))
+
+    def __init__(self, root_pid: int | None) -> None:
+        self.root_pid = root_pid
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self) -> ServerCPU:
+        self._pids = self._tree(self.root_pid) if self.root_pid is not None else {}
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._read()
+        self.seconds = {role: end[role] - self._start[role] for role in end if role in self._start}
+
+    def per_token_ms(self, tokens: int) -> dict[str, float] | None:
+        return {role: 1e3 * s / tokens for role, s in self.seconds.items()} if self.seconds and tokens else None
+
+    def _read(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid, role in [*self._pids.items(), (os.getpid(), "client")]:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    @classmethod
+    def _tree(cls, root: int) -> dict[int, str]:
+        """`root` and its descendants, each with its role."""
+        parents: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+        tree, frontier = {root}, [root]
+        while frontier:
+            kids = [pid for pid, ppid in parents.items() if ppid in frontier and pid not in tree]
+            tree.update(kids)
+            frontier = kids
+        roles = {}
+        for pid in tree:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            roles[pid] = next((role for mark, role in cls.ROLES if mark in cmd), "front_end")
+        return roles
+
+
 def median_round(rounds: list[dict]) -> int:
     """The index of the round whose served/engine ratio (served decode tok/s without an engine
     baseline) is the median (the lower one of an even count)."""
@@ -709,10 +774,14 @@ def main() -> None:
                     for k in range(a.rounds):
                         eng = eng_runs.run() if eng_runs is not None else None
                         before = scrape(url)
-                        with LagWatch(url) as watch, Stolen() as stolen:
+                        cpu = ServerCPU(proc.pid if proc is not None and target != "llama.cpp" else None)
+                        with LagWatch(url) as watch, Stolen() as stolen, cpu:
                             results = drive(url, bodies, offsets, a.client_procs, warm_connections)
                         after = scrape(url)
                         summ = summarize(results, a.slo_ttft, a.slo_tpot)
+                        summ["cpu_ms_per_token"] = cpu.per_token_ms(summ["output_tokens"])
+                        if a.client_procs > 1 and summ["cpu_ms_per_token"]:  # the clients ran in pool processes, not counted
+                            summ["cpu_ms_per_token"].pop("client", None)
                         ratio = (summ["decode_tok_s"] / eng["decode_tok_s"]
                                  if eng and eng.get("decode_tok_s") and summ["decode_tok_s"] else None)
                         rounds.append({"served_decode_tok_s": summ["decode_tok_s"],
@@ -723,7 +792,8 @@ def main() -> None:
                                        "engine_itl_p99_s": eng["itl_p99_s"] if eng else None,
                                        "served_ttft_p50_s": summ["ttft_s"]["p50"],
                                        "engine_ttft_p50_s": eng["ttft_p50_s"] if eng else None,
-                                       "served_stolen_s": stolen.seconds, "engine_stolen_s": eng and eng["stolen_s"]})
+                                       "served_stolen_s": stolen.seconds, "engine_stolen_s": eng and eng["stolen_s"],
+                                       "served_cpu_ms_per_token": summ["cpu_ms_per_token"]})
                         runs.append((summ, eng, before, after, watch.phases(results)))
                         if a.rounds > 1:
                             print(f"   round {k + 1}: served {f(summ['decode_tok_s'])} tok/s, engine "
@@ -767,6 +837,9 @@ def main() -> None:
                   f"{f(eng and eng['itl_p99_s'], 1e3, '.2f'):>11} "
                   f"{f(lag.get('p99_le_s'), 1e3, '.0f'):>10} {f(lag.get('max_le_s'), 1e3, '.0f'):>10} "
                   f"{f(lag.get('gc_seconds'), fmt='.2f'):>5} {summ['errors']:>6}", flush=True)
+            if summ.get("cpu_ms_per_token"):
+                print("   CPU per output token (ms): " + ", ".join(
+                    f"{role.replace('_', ' ')} {ms:.3f}" for role, ms in summ["cpu_ms_per_token"].items()), flush=True)
             if server_ttft is not None and summ["ttft_s"]["mean"] is not None:
                 print(f"   TTFT mean {summ['ttft_s']['mean']:.3f} s at the client, {server_ttft:.3f} s in the server "
                       f"(submission to first token)" + (f", engine alone {eng['ttft_s']:.3f} s" if eng else ""), flush=True)
