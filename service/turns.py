@@ -323,33 +323,61 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
                  else None, len(prompt_ids), started, fork=i > 0) for i, stream in enumerate(streams)]
 
 
-async def collect(turn: Turn, request: HTTPRequest) -> tuple[str, list[int], Chunk | None, list[TokenLogprobs]]:
-    """Non-streaming: gather the whole reply (text, token ids, the last chunk, the tokens'
-    logprobs where asked for); abort if the client disconnects meanwhile."""
-    text, ids, last, logprobs = [], [], None, []
+Collected = tuple[str, list[int], Chunk | None, list[TokenLogprobs]]  # text, ids, last chunk, logprobs
 
-    async def consume():
-        nonlocal last
+
+async def collect(turn: Turn, request: HTTPRequest) -> Collected:
+    """Non-streaming: gather the whole reply (text, token ids, the last chunk, the tokens'
+    logprobs where asked for); abort if the client disconnects meanwhile (the last chunk is then
+    None)."""
+    return (await collect_all([turn], request))[0]
+
+
+async def collect_all(turns: list[Turn], request: HTTPRequest) -> list[Collected]:
+    """`collect` for the turns of one request (its n choices), watched by one disconnect
+    watcher: if the client leaves, every turn is aborted at once."""
+    parts = [([], [], [None], []) for _ in turns]  # text, ids, [last chunk], logprobs
+
+    async def consume(turn: Turn, part) -> None:
+        text, ids, last, logprobs = part
         async for chunk in turn.chunks():
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
-            last = chunk
+            last[0] = chunk
 
-    task = asyncio.ensure_future(consume())
+    work = asyncio.gather(*(consume(t, part) for t, part in zip(turns, parts)))
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                return "".join(text), ids, None, logprobs
-        await task
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left
+            work.cancel()
+            try:
+                await work
+            except asyncio.CancelledError:
+                pass
+            return [("".join(text), ids, None, logprobs) for text, ids, _, logprobs in parts]
+        await work
     finally:
-        turn.close()
-    if last is not None and last.finish_reason == FinishReason.ERROR:
-        raise APIError(500, last.error or "generation failed", "generation_failed")
-    return "".join(text), ids, last, logprobs
+        gone.cancel()
+        work.cancel()
+        for t in turns:
+            t.close()
+    out = []
+    for text, ids, (last,), logprobs in parts:
+        if last is not None and last.finish_reason == FinishReason.ERROR:
+            raise APIError(500, last.error or "generation failed", "generation_failed")
+        out.append(("".join(text), ids, last, logprobs))
+    return out
+
+
+async def _client_gone(request: HTTPRequest) -> None:
+    """Returns when the client disconnects. The request's body has been read whole, so the
+    server's next ASGI message for it is `http.disconnect`, sent when the connection closes (or
+    once the response is complete). A server whose receive fails here never says the client
+    left: the request then runs to its end."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - no disconnect signal from this server
+        await asyncio.Future()

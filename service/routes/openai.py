@@ -16,7 +16,7 @@ from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import (check_model, check_supported, collect, render_chat, require_ready, sampling_params,
+from service.turns import (check_model, check_supported, collect_all, render_chat, require_ready, sampling_params,
                            start_turns, tokenize)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -180,11 +180,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
     wants_logprobs = body.num_logprobs is not None
 
     if not body.stream:
-        try:
-            results = await asyncio.gather(*(collect(t, request) for t in turns))
-        finally:
-            for t in turns:
-                t.close()
+        results = await collect_all(turns, request)
         choices = []
         for i, (text, ids, last, lps) in enumerate(results):
             place = _Choice(i, echo)

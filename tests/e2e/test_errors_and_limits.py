@@ -277,13 +277,15 @@ def test_idle_sessions_expire_and_answer_session_evicted(tiny):
     tiny.check_invariants()
 
 
-def test_non_streaming_client_disconnect_aborts(tiny):
+@pytest.mark.parametrize("n", [1, 2])
+def test_non_streaming_client_disconnect_aborts(tiny, n):
+    """A client that leaves before its whole reply is ready gets every choice aborted."""
     before = tiny.metric("s5_requests_finished_total", 'finish_reason="abort"')
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4000, "ignore_eos": True},
-                   headers=A, timeout=1.0)
+        httpx.post(f"{tiny.url}/v1/completions",
+                   json={"prompt": [5, 6], "max_tokens": 4000, "ignore_eos": True, "n": n}, headers=A, timeout=1.0)
     tiny.wait_idle(timeout=20)
-    assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + 1
+    assert tiny.metric("s5_requests_finished_total", 'finish_reason="abort"') == before + n
     tiny.check_invariants()
 
 
