@@ -235,10 +235,15 @@ class EngineClient:
             self._watch_foreign(self.attach.engine_pid)
         decode = ipc.decoder(ipc.FromEngine).decode
         first = asyncio.ensure_future(self._frames())
-        done, _ = await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not first.done():
+                first.cancel()
         if first not in done:
-            first.cancel()
-            raise RuntimeError(self.error or "the engine process exited while starting")
+            why = self.error or "the engine process exited while starting"
+            await self._reap()
+            raise RuntimeError(why)
         frames = first.result()
         msg = decode(frames[0].buffer)
         if isinstance(msg, ipc.Failed):
@@ -343,6 +348,13 @@ class EngineClient:
 
     # ---- the receiver ------------------------------------------------------------------------------
     def _on_readable(self) -> None:
+        # Reading the socket's events consumes what made its descriptor readable, so the
+        # (level-triggered) reader does not fire again until something new arrives, whether or
+        # not `_frames` waits now; `_frames` checks the events itself before it waits.
+        try:
+            self._outbox.getsockopt(zmq.EVENTS)
+        except zmq.ZMQError:
+            return
         if self._readable is not None and not self._readable.done():
             self._readable.set_result(None)
 
@@ -360,11 +372,17 @@ class EngineClient:
             await self._readable
 
     async def _receive(self, decode, frames: list[zmq.Frame]) -> None:
+        try:
+            await self._route(decode, frames)
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        except Exception as exc:  # noqa: BLE001 - nothing would route the engine's outputs any more
+            log.exception("the engine's outputs could not be read")
+            self._die(f"the front end failed to read the engine's outputs: {exc!r}")
+
+    async def _route(self, decode, frames: list[zmq.Frame]) -> None:
         while True:
-            try:
-                frames = frames or await self._frames()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
+            frames = frames or await self._frames()
             waiting: dict[str, RequestStream] = {}  # streams whose consumer waits for these outputs
             for frame in frames:
                 self._take(decode(frame.buffer), waiting)
