@@ -335,7 +335,8 @@ async def collect(turn: Turn, request: HTTPRequest) -> Collected:
 
 async def collect_all(turns: list[Turn], request: HTTPRequest) -> list[Collected]:
     """`collect` for the turns of one request (its n choices), watched by one disconnect
-    watcher: if the client leaves, every turn is aborted at once."""
+    watcher: if the client leaves, every turn is aborted at once. A choice that fails ends the
+    request (APIError) and aborts the others."""
     parts = [([], [], [None], []) for _ in turns]  # text, ids, [last chunk], logprobs
 
     async def consume(turn: Turn, part) -> None:
@@ -345,30 +346,29 @@ async def collect_all(turns: list[Turn], request: HTTPRequest) -> list[Collected
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
             last[0] = chunk
+            if chunk.finish_reason == FinishReason.ERROR:
+                raise APIError(500, chunk.error or "generation failed", "generation_failed")
 
-    work = asyncio.gather(*(consume(t, part) for t, part in zip(turns, parts)))
+    tasks = [asyncio.ensure_future(consume(t, part)) for t, part in zip(turns, parts)]
     gone = asyncio.ensure_future(_client_gone(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client left
-            work.cancel()
-            try:
-                await work
-            except asyncio.CancelledError:
-                pass
-            return [("".join(text), ids, None, logprobs) for text, ids, _, logprobs in parts]
-        await work
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:  # the client left
+                return [("".join(text), ids, None, logprobs) for text, ids, _, logprobs in parts]
+            pending.discard(gone)
+            for task in done:
+                task.result()  # a failed choice raises here
     finally:
         gone.cancel()
-        work.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a second failure is not logged as unhandled
+            task.cancel()
         for t in turns:
             t.close()
-    out = []
-    for text, ids, (last,), logprobs in parts:
-        if last is not None and last.finish_reason == FinishReason.ERROR:
-            raise APIError(500, last.error or "generation failed", "generation_failed")
-        out.append(("".join(text), ids, last, logprobs))
-    return out
+    return [("".join(text), ids, last, logprobs) for text, ids, (last,), logprobs in parts]
 
 
 async def _client_gone(request: HTTPRequest) -> None:
