@@ -415,9 +415,10 @@ class ServerCPU:
     front-end processes), `engine` (engine.process), `tokenizer` (service.tokenize_worker) and
     `client` (this process: the streams' client, with the lag poll beside it). On a machine whose
     cores the engine shares with the rest, what the others take is what the engine loses.
-    Processes are found when the block starts; Linux only (empty elsewhere)."""
+    Processes are found when the block starts (for a cluster, Ray's own processes count as front
+    end); the block holds the run's start delay and prefill too. Linux only (empty elsewhere)."""
 
-    ROLES = (("engine.process", "engine"), ("service.tokenize_worker", "tokenizer"))
+    ROLES = (("engine.process", "engine"), ("service.tokenize_worker", "tokenizer"))  # `python -m` modules
 
     def __init__(self, root_pid: int | None) -> None:
         self.root_pid = root_pid
@@ -467,10 +468,10 @@ class ServerCPU:
         for pid in tree:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    argv = f.read().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            roles[pid] = next((role for mark, role in cls.ROLES if mark in cmd), "front_end")
+            roles[pid] = next((role for module, role in cls.ROLES if module in argv), "front_end")
         return roles
 
 
