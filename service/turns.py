@@ -333,30 +333,41 @@ async def collect(turn: Turn, request: HTTPRequest) -> Collected:
     return (await collect_all([turn], request))[0]
 
 
+class _Gathered:
+    """One choice's reply as it is gathered."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.last: Chunk | None = None
+
+    async def consume(self, turn: Turn) -> None:
+        async for chunk in turn.chunks():
+            self.text.append(chunk.text)
+            self.ids.extend(chunk.token_ids)
+            self.logprobs.extend(chunk.logprobs or ())
+            self.last = chunk
+            if chunk.finish_reason == FinishReason.ERROR:
+                raise APIError(500, chunk.error or "generation failed", "generation_failed")
+
+    def result(self, finished: bool) -> Collected:
+        return "".join(self.text), self.ids, self.last if finished else None, self.logprobs
+
+
 async def collect_all(turns: list[Turn], request: HTTPRequest) -> list[Collected]:
     """`collect` for the turns of one request (its n choices), watched by one disconnect
     watcher: if the client leaves, every turn is aborted at once. A choice that fails ends the
     request (APIError) and aborts the others."""
-    parts = [([], [], [None], []) for _ in turns]  # text, ids, [last chunk], logprobs
-
-    async def consume(turn: Turn, part) -> None:
-        text, ids, last, logprobs = part
-        async for chunk in turn.chunks():
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs or ())
-            last[0] = chunk
-            if chunk.finish_reason == FinishReason.ERROR:
-                raise APIError(500, chunk.error or "generation failed", "generation_failed")
-
-    tasks = [asyncio.ensure_future(consume(t, part)) for t, part in zip(turns, parts)]
+    parts = [_Gathered() for _ in turns]
+    tasks = [asyncio.ensure_future(part.consume(t)) for t, part in zip(turns, parts)]
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
             if gone in done:  # the client left
-                return [("".join(text), ids, None, logprobs) for text, ids, _, logprobs in parts]
+                return [part.result(finished=False) for part in parts]
             pending.discard(gone)
             for task in done:
                 task.result()  # a failed choice raises here
@@ -368,7 +379,7 @@ async def collect_all(turns: list[Turn], request: HTTPRequest) -> list[Collected
             task.cancel()
         for t in turns:
             t.close()
-    return [("".join(text), ids, last, logprobs) for text, ids, (last,), logprobs in parts]
+    return [part.result(finished=True) for part in parts]
 
 
 async def _client_gone(request: HTTPRequest) -> None:
