@@ -450,26 +450,17 @@ class ServerCPU:
 
     @classmethod
     def _tree(cls, root: int) -> dict[int, str]:
-        """`root` and its descendants, each with its role."""
-        parents: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-        tree, frontier = {root}, [root]
+        """`root` and its descendants (the children of each of their threads), each with its role."""
+        roles, frontier = {}, [root]
         while frontier:
-            kids = [pid for pid, ppid in parents.items() if ppid in frontier and pid not in tree]
-            tree.update(kids)
-            frontier = kids
-        roles = {}
-        for pid in tree:
+            pid = frontier.pop()
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().decode(errors="replace").split("\0")
-            except OSError:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        frontier += [int(c) for c in f.read().split()]
+            except OSError:  # gone meanwhile
                 continue
             roles[pid] = next((role for module, role in cls.ROLES if module in argv), "front_end")
         return roles
