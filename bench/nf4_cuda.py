@@ -92,7 +92,7 @@ def main() -> None:
                              "cuda": results})
 
             def desc(r):
-                if "loads_only_us" not in r:
+                if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"
                 return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}"
 

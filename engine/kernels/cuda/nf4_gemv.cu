@@ -18,8 +18,9 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <bitset>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/types.h>
 #endif
@@ -609,7 +610,8 @@ void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, cons
 }
 
 // A tile kernel (one block per SM at most, `warps` warps each) for `items` work items, with its
-// opt-in to more than 48 KiB of dynamic shared memory made once per kernel and device.
+// opt-in to more than 48 KiB of dynamic shared memory made once per kernel and device (the
+// kernels of one work type, e.g. a product and its measurement variants, each opt in).
 template <class Work>
 void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64_t warps, int64_t blocks,
                   const torch::Device& device, cudaStream_t stream, bool pdl, const Work& work, const float* code) {
@@ -617,11 +619,12 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
   static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
   {
     static std::mutex mutex;
-    static std::bitset<256> opted_in;  // per device, for this kernel
+    static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
     const std::lock_guard<std::mutex> lock(mutex);
-    if (!opted_in[device.index()]) {
+    const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device.index()};
+    if (!opted_in.count(key)) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
-      opted_in[device.index()] = true;
+      opted_in.insert(key);
     }
   }
   if (items > 0) {
