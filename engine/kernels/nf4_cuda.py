@@ -26,14 +26,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
-# the launches the plans time: the fastest per Gemma-3 4B projection at one row on an H200 (python
-# -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up. The
-# tensor-core tiles are not among them: `bench.nf4_cuda` and the GPU tests run them, and no GPU
-# timing of them exists yet to choose their launches from.
-CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
-              (2, 4, 1, 4))
-# tile launches the GPU tests and benchmark run: 8, 12 and 16 warps per SM, K split to spread the work
+# tile launches: 8, 12 and 16 warps per SM, K split to spread the work
 TILE_LAUNCHES = ((16, 8, 0, 1), (16, 12, 0, 1), (16, 16, 0, 1))
+# the launches the plans time: at one row the fastest per Gemma-3 4B projection on an H200 (python
+# -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up; at 1-8
+# rows the tensor-core tiles
+CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
+              (2, 4, 1, 4)) + TILE_LAUNCHES
 TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
 MAX_TILE_X_ROWS = 8  # and they take up to this many rows of x (the mma's columns)
 

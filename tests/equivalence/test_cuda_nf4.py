@@ -134,7 +134,7 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pdl = launch.supported(torch.device("cuda"))
-    launches = list(nf4_cuda.CANDIDATES + nf4_cuda.TILE_LAUNCHES) + \
+    launches = list(nf4_cuda.CANDIDATES) + \
         [(r, 2, s, 0) for r in (1, 2, 4, 8) for s in (1, 3)] + \
         [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)] + \
         [(16, w_, s, 1) for w_ in (1, 8) for s in (0, 1, 3, 40)]
@@ -154,7 +154,7 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
             assert err < 1.5e-2, (n, k, launch_, err)
             worst = max(worst, err)
             tiles += launch_[0] == nf4_cuda.TILE_ROWS
-        for launch_ in nf4_cuda.CANDIDATES + nf4_cuda.TILE_LAUNCHES:  # with PDL, as a fused forward launches them
+        for launch_ in nf4_cuda.CANDIDATES:  # with PDL, as a fused forward launches them
             if nf4_cuda.fits(x, w, launch_):
                 assert torch.equal(nf4_cuda.gemv(x, w, launch_, sms, pdl), nf4_cuda.gemv(x, w, launch_, sms))
         buf = torch.randn(1, k + 1, device="cuda").to(torch.bfloat16)
