@@ -1,13 +1,15 @@
-"""The launches of the NF4 kernels (kernels/nf4.py, and at one row the CUDA kernel of
+"""The launches of the NF4 kernels (kernels/nf4.py, and at 1-8 rows the CUDA kernel of
 kernels/nf4_cuda.py) per row count, timed on a model's own weights when a fused forward is built,
-and kept only where they agree with the library's product on the dequantized weight."""
+and kept only where they agree with the library's product on the dequantized weight; and per
+token count, whether a MoE model's NF4 experts run on the CUDA kernel's tensor-core tiles or on
+the Triton kernels of kernels/nf4_moe.py."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import nf4_cuda
+from engine.kernels import moe, nf4_cuda, nf4_moe
 from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_for, nf4_matmul, triton, with_split
 
 # launches `plan_nf4` times per row count (block_m, block_n, block_k, warps, stages, swap[,
@@ -126,4 +128,63 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
             ours = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
             lib = graph_ms(lambda: [F.linear(x, dequantize(w)) for w in weights], reps=3)
             plan[rows] = cfg if ours < lib else None
+    return plan
+
+
+# token counts the experts' plan times (decode batches up to moe.MAX_TOKENS take the smallest
+# that covers them)
+EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def expert_tiles_for(plan: dict[int, tuple[int, int] | None], tokens: int) -> tuple[int, int] | None:
+    """The planned tile launch for `tokens` tokens (None: the Triton kernels)."""
+    fit = [t for t in plan if t >= tokens]
+    return plan[min(fit)] if fit else None
+
+
+@torch.no_grad()
+def plan_experts(layers: list[tuple[NF4Weight, NF4Weight]], top_k: int,
+                 pdl_for=None) -> dict[int, tuple[int, int] | None]:
+    """Per token count (EXPERT_TOKENS), the tensor-core tile launch of kernels/nf4_cuda.py
+    (nf4_cuda.EXPERT_LAUNCHES) for both expert stages of these layers' NF4 experts ((gate_up,
+    down) per layer, same shapes), where one agrees with `nf4_moe.experts_ref` and runs the
+    layers faster than the Triton kernels (timed from a CUDA graph, each layer routed anew, with
+    PDL where `pdl_for(tokens)` says the forward launches with it); else None, the Triton
+    kernels. Empty where the CUDA kernel is not built or does not take the experts."""
+    from engine.kernels.small_linear import graph_ms
+
+    if not layers or layers[0][0].device.type != "cuda" or nf4_cuda.extension() is None:
+        return {}
+    gate_up, down = layers[0]
+    hidden, inter = gate_up.shape[1], down.shape[1]
+    n_experts = gate_up.shape[0] // (2 * inter)
+    dev = gate_up.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    x0 = torch.empty(1, hidden, device=dev, dtype=torch.bfloat16)
+    if gate_up.dtype != torch.bfloat16 or not nf4_cuda.experts_fit(x0, gate_up, down):
+        return {}
+    plan: dict[int, tuple[int, int] | None] = {}
+    for tokens in EXPERT_TOKENS:
+        if tokens > moe.MAX_TOKENS:
+            break
+        x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+        idxs = [torch.rand(tokens, n_experts, device=dev, generator=g).topk(top_k, dim=1).indices.int()
+                for _ in layers]
+        w = torch.rand(tokens, top_k, device=dev, generator=g)
+        pdl = pdl_for is not None and pdl_for(tokens)
+        want = nf4_moe.experts_ref(x, idxs[0].long(), w, gate_up, down)
+
+        def run(tiles):
+            return [nf4_moe.experts(x, idx, w, gu, dn, pdl=pdl, tiles=tiles) for idx, (gu, dn) in zip(idxs, layers)]
+
+        best, plan[tokens] = graph_ms(lambda: run(None), reps=3), None
+        for tiles in nf4_cuda.EXPERT_LAUNCHES:
+            try:
+                if not agrees(nf4_moe.experts(x, idxs[0], w, gate_up, down, pdl=pdl, tiles=tiles), want):
+                    continue
+            except RuntimeError:  # a launch this GPU refuses (resources)
+                continue
+            t = graph_ms(lambda tiles=tiles: run(tiles), reps=3)
+            if t < best:
+                best, plan[tokens] = t, tiles
     return plan

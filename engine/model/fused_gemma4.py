@@ -21,7 +21,9 @@ embeddings or layers that share another layer's K/V keep the stock forward (`uns
 why). bitsandbytes 4-bit models run their projections and routers on the NF4 kernels
 (kernels/nf4.py, as in fused_forward.py) and their experts, which the loader quantizes to NF4
 as well (nf4_experts.py: bitsandbytes quantizes `nn.Linear` modules only), on the NF4 experts
-kernels (kernels/nf4_moe.py); prefill chunks run that module's grouped products.
+kernels (kernels/nf4_moe.py), or, at the token counts where `nf4_plan.plan_experts` timed them
+faster and found them exact, on the CUDA kernel's tensor-core tiles; prefill chunks run that
+module's grouped products.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe, nf4_moe
 from engine.kernels.nf4 import NF4Weight
+from engine.kernels.nf4_plan import expert_tiles_for, plan_experts
 from engine.model.nf4_experts import NF4Experts
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
 
@@ -168,6 +171,13 @@ class FusedGemma4(FusedDecoder):
         self.plans = {key: plan_projection(ws, self.pdl_for) for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
+        # per decode token count, whether NF4 experts run on the CUDA kernel's tensor-core tiles
+        nf4_experts = [L.experts for L in self.layers
+                       if L.experts is not None and isinstance(L.experts.gate_up, NF4Weight)]
+        self.expert_tiles = plan_experts([(X.gate_up, X.down) for X in nf4_experts], nf4_experts[0].top_k,
+                                         self.pdl_for) if nf4_experts else {}
+        if any(self.expert_tiles.values()):
+            log.info("NF4 experts on tensor-core tiles by token count: %s", self.expert_tiles)
 
     def _layer(self, index: int, layer, cfg) -> _Layer:
         attn = layer.self_attn
@@ -184,6 +194,9 @@ class FusedGemma4(FusedDecoder):
         pdl = self.pdl_for(x.shape[0])
         weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
         if moe.use_kernels(x):
+            if isinstance(X.gate_up, NF4Weight):
+                tiles = expert_tiles_for(self.expert_tiles, x.shape[0])
+                return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl, tiles=tiles)
             return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
         return X.module(x, chosen.long(), weights)
 

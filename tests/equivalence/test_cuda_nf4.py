@@ -275,6 +275,38 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
     print(f"nf4 experts {dtype}: worst relative error against dequantize_4bit + the stock math {worst:.1e}")
 
 
+def test_nf4_experts_plan_keeps_tiles_only_where_exact_and_timed_faster():
+    """plan_experts on two Gemma-4 26B-A4B layers' NF4 experts: a launch (or None, the Triton
+    kernels) per planned token count, each planned tile launch one of nf4_cuda.EXPERT_LAUNCHES
+    that agrees with experts_ref, the lookup taking the smallest planned count that covers T; the
+    plan is empty where the tiles cannot run (float32 experts)."""
+    pytest.importorskip("bitsandbytes")
+    E, H, inter, k = 128, 2816, 704, 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    layers = [NF4Experts.quantize((torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02).bfloat16(),
+                                  (torch.randn(E, H, inter, device="cuda", generator=g) * 0.02).bfloat16())
+              for _ in range(2)]
+    plan = nf4_plan.plan_experts([(ex.gate_up, ex.down) for ex in layers], k)
+    print("experts plan:", plan)
+    if nf4_cuda.extension() is None:
+        assert plan == {}
+        return
+    assert set(plan) == set(nf4_plan.EXPERT_TOKENS)
+    assert all(t is None or t in nf4_cuda.EXPERT_LAUNCHES for t in plan.values())
+    assert nf4_plan.expert_tiles_for(plan, 3) == plan[4] and nf4_plan.expert_tiles_for(plan, 65) is None
+    for T, tiles in plan.items():
+        if tiles is None:
+            continue
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices
+        w = torch.rand(T, k, device="cuda", generator=g)
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        want = nf4_moe.experts_ref(x, idx, w, layers[1].gate_up, layers[1].down)
+        assert rel(nf4_moe.experts(x, idx.int(), w, layers[1].gate_up, layers[1].down, tiles=tiles), want) < 1.5e-2
+    f32 = NF4Experts.quantize(torch.randn(E, 2 * inter, H, device="cuda") * 0.02,
+                              torch.randn(E, H, inter, device="cuda") * 0.02)
+    assert nf4_plan.plan_experts([(f32.gate_up, f32.down)], k) == {}
+
+
 def stock_experts_on_dequantized(model) -> None:
     """Each NF4Experts replaced by the stock experts module holding its dequantized weights (the
     values bitsandbytes' dequantize_4bit gives; test_nf4_experts_... checks they are equal)."""
