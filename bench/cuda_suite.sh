@@ -80,11 +80,15 @@ for _ in range(2):
     nf4_cuda.gemv(x, w, (4, 8, 1, 8), 132, mode=1)
     nf4.nf4_matmul(x, w, 1, 32, 256, 1, warps=4, stages=3, shfl=True)
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -150 ;;
-  nf4-tiles)  # the CUDA kernel's tensor-core tiles: its GPU tests, the NF4 plans' and the NF4 experts' (and their plan),
+  nf4-tiles)  # the CUDA kernel's tensor-core tiles: its GPU tests, the NF4 plans' and the NF4 experts'
+    # (and their plan), the engines' greedy tokens on NF4 against bitsandbytes (the plans in place),
     # then every launch of the kernel against the Triton plan's, Gemma-3 4B projections at 1 and 8
-    # rows of x, then the 26B-A4B shape's NF4 experts on the Triton kernels and on the tiles
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-      -k "cuda_one_row or plans or experts_match or experts_plan" 2>&1 | tee "$OUT/cuda-tests-nf4-tiles.log" | grep -v "^\.$" | tail -12
+    # rows of x, then the 26B-A4B shape's NF4 experts on the Triton kernels and on the tiles; the
+    # extension built once first, into TORCH_EXTENSIONS_DIR where set
+    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row or plans or experts_match or experts_plan or greedy_tokens" 2>&1 \
+      | tee "$OUT/cuda-tests-nf4-tiles.log" | grep -v "^\.$" | tail -16
     timeout 330 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-cuda-tiles.log" | grep -v disagrees
     timeout 300 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$OUT" \
