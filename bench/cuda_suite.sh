@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -93,6 +93,33 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       | tee "$OUT/nf4-cuda-tiles.log" | grep -v disagrees
     timeout 300 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$OUT" \
       --tag nf4-tiles-experts 2>&1 | tail -12 ;;
+  nf4-stream)  # the tiles' weights streamed through each warp's ring of asynchronous copies: Nsight
+    # Compute on Gemma-3 4B's gate/up at one row (the product, and without the weight loads), then
+    # every launch against the Triton plan's at 1 and 8 rows; BEFORE="<earlier trees>" runs the same
+    # benchmark on each after (their extensions built apart), into before-<name>/
+    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] && [ "${NCU_RUN:-1}" = 1 ] && timeout 200 "$NCU" --clock-control none -k regex:nf4_gemv_table_kernel \
+      -s 4 -c 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats python3 -c "
+import torch; from engine.kernels import nf4, nf4_cuda
+w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
+                  torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
+x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
+for _ in range(3):
+    nf4_cuda.gemv(x, w, (16, 12, 1, 1), 132)
+    nf4_cuda.gemv(x, w, (16, 12, 1, 1), 132, mode=2)
+torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-stream.log" | grep -v "^==PROF==" | grep -v "^ *$" \
+      | grep -E "table_kernel|Duration|Memory Throughput|DRAM Throughput|Registers|Achieved Occ|Stall|Issued Warp|Eligible|Warp Cycles" | head -40
+    [ "${AFTER:-1}" = 1 ] && timeout 240 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$OUT" 2>&1 \
+      | tee "$OUT/nf4-cuda-stream.log" | grep -v disagrees
+    out=$(cd "$OUT" && pwd)
+    for dir in ${BEFORE:-}; do
+      name=$(basename "$dir" | tr -d .)
+      (cd "$dir" && TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-$name" timeout 280 python3 -m bench.nf4_cuda \
+        --shape gemma3-4b --rows 1 8 --out "$out/before-$name" 2>&1 | tee "$out/nf4-cuda-stream-before-$name.log" \
+        | grep -v disagrees)
+    done ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
     # Triton kernels serve), same run

@@ -9,8 +9,9 @@ A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps p
 (float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
 blocks per SM of persistent warps that keep their next step's loads in flight. Rows 1-8 multiply
 on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores, each byte's
-two codes looked up at once from a table in shared memory (one block per SM; split 0: the K slices
-that spread the work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
+two codes looked up at once from a table in shared memory, the weights streamed to each warp
+through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
+work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
 at the cost of one). It takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's
 rows 16-byte aligned (`fits`: one row, or for tiles up to 8).
 """
@@ -55,28 +56,29 @@ def extension():
             "int64_t blocks, bool pdl);\n"
             "void nf4_experts_down(torch::Tensor act, torch::Tensor experts, torch::Tensor weights, "
             "torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, "
-            "int64_t blocks, bool pdl);")
+            "int64_t blocks, bool pdl);\n"
+            "int64_t nf4_tile_shared_bytes(int64_t warps);")
     major, minor = torch.cuda.get_device_capability()
     log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
     try:
         return cpp_extension.load_inline(
             "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(),
-            functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down"],
+            functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down", "nf4_tile_shared_bytes"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
         log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
         return None
 
 
-TILE_SHARED_BYTES = 128 * 1024  # a tile block's shared memory: the table and its 64 KiB alignment
-
-
 @functools.cache
-def tiles_supported(index: int) -> bool:
-    """Whether device `index` runs the tiles: bf16 mma.sync (compute capability 8.0) and a block's
-    opt-in shared memory for the table."""
+def tiles_supported(index: int, warps: int = min(w for _, w, _, _ in TILE_LAUNCHES)) -> bool:
+    """Whether device `index` runs tiles of `warps` warps per block: bf16 mma.sync and cp.async
+    (compute capability 8.0) and a block's opt-in shared memory for the table and the warps' rings
+    (the extension's `nf4_tile_shared_bytes`)."""
+    ext = extension()
     props = torch.cuda.get_device_properties(index)
-    return props.major >= 8 and getattr(props, "shared_memory_per_block_optin", 0) >= TILE_SHARED_BYTES
+    return (ext is not None and props.major >= 8
+            and getattr(props, "shared_memory_per_block_optin", 0) >= ext.nf4_tile_shared_bytes(warps))
 
 
 def _weight_fits(w, device: torch.device, k: int) -> bool:
@@ -94,7 +96,8 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
     if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
     if launch is not None and launch[0] == TILE_ROWS:
-        if not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.stride(0) % 8 or not tiles_supported(x.device.index):
+        if (not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.stride(0) % 8
+                or not tiles_supported(x.device.index, launch[1])):
             return False
     elif x.shape[0] != 1:
         return False

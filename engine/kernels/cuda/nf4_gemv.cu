@@ -37,6 +37,22 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// The packed weights are read once per product: loaded past L1 (L1::no_allocate), so that they do
+// not evict x and the absmax, which every warp reads again.
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load_weights(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -71,7 +87,7 @@ __device__ __forceinline__ void load_step(Step<ROWS>& st, const __nv_bfloat16* _
       const uint32_t m = (uint32_t)cc * 0x9e3779b9u + (uint32_t)row * 0x85ebca6bu;
       st.w[r] = make_uint4(m, m ^ 0x5bd1e995u, m * 3u, m + 0x27d4eb2fu);
     } else {
-      st.w[r] = __ldg(reinterpret_cast<const uint4*>(packed + (size_t)row * stride_p) + cc);
+      st.w[r] = load_weights(reinterpret_cast<const uint4*>(packed + (size_t)row * stride_p) + cc);
     }
     st.s[r] = ok ? __ldg(absmax + (size_t)row * stride_s + (cc >> 1)) : 0.f;
   }
@@ -213,20 +229,82 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
 // slots 2t, 2t + 1) and 2s + 1 (slots 2t + 8, 2t + 9). Each group's product is then scaled by the
 // group's absmax. The codes are rounded to bf16 in the table, as the kernels of kernels/nf4.py that
 // multiply on tensor cores round them.
+//
+// The weights reach a warp through a ring of RING_STAGES groups in shared memory, filled by
+// asynchronous copies (cp.async, past L1) that run RING_STAGES - 1 groups ahead of the products
+// along the warp's whole sequence of work items, so that many loads are in flight with few
+// registers; a group's stage is its 16 rows' 32 bytes, then their 16 absmax. x is read at its
+// product (from L1: the weights do not pass through it).
 constexpr int TABLE_BYTES = 256 * 256;
 constexpr int TABLE_SMEM = 2 * TABLE_BYTES;  // holds the table from the first 64 KiB boundary past the block's base
-constexpr int TABLE_DEPTH = 2;  // groups per load batch; a warp keeps two batches in flight
+constexpr int RING_STAGES = 6;
+constexpr int STAGE_BYTES = 16 * 32 + 16 * 4;
+
+// A block's shared memory: the table, then each warp's ring
+constexpr int tile_smem(int warps) { return TABLE_SMEM + warps * RING_STAGES * STAGE_BYTES; }
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// One group of one tile as a lane holds it: its 8 bytes of each of its two rows (groupID, groupID
-// + 8), and their absmax.
+// cp.async needs compute capability 8.0, as bf16 mma.sync does (nf4_cuda.fits keeps the tiles from
+// older GPUs, for which the extension still builds the row kernels)
+__device__ __forceinline__ void copy_async16(uint32_t dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// wait until at most N of this thread's committed copy groups are still in flight
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// A warp's work item on the tiles, as one lane holds it: the bytes it copies (tile row lane / 2, the
+// 16-byte half lane % 2 of group 0), the absmax it copies (lanes 0-15: tile row lane's, at group
+// 0), its x row (the mma's column lane / 4, its 16 columns of group 0), and the item's groups
+// [g_lo, g_hi) of K.
+struct TileItem {
+  const uint8_t* src;
+  const float* scales;
+  const uint4* xrow;
+  int g_lo, g_hi;
+};
+
+// Lane l's item over the weight rows `row(r)` (r: the tile's row, 0-15) of a weight of `stride_p`
+// bytes and `stride_s` absmax per row, against x row `xr`.
+template <class Row>
+__device__ __forceinline__ TileItem tile_item(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
+                                              Row row, const __nv_bfloat16* xr, int g_lo, int g_hi) {
+  const int lane = threadIdx.x & 31;
+  return {packed + (size_t)row(lane >> 1) * stride_p + 16 * (lane & 1), absmax + (size_t)row(lane & 15) * stride_s,
+          reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi};
+}
+
+// One group of one tile as a lane multiplies it: its 8 bytes of each of its two rows (groupID,
+// groupID + 8), their absmax, and its 16 columns of its x row as 8 bf16x2 words.
 struct TileStep {
   uint2 a, b;
   float sa, sb;
+  uint4 x0, x1;
 };
 
 // x is written by the kernel before this one: read with a plain load (not through the read-only
@@ -242,8 +320,6 @@ __device__ __forceinline__ uint32_t pair_codes(uint32_t word, uint32_t lane_addr
   return v;
 }
 
-// bf16 mma.sync needs compute capability 8.0 (nf4_cuda.fits keeps the tiles from older GPUs, for
-// which the extension still builds the row kernels)
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -257,172 +333,145 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 // acc += the group's products x their absmax: acc[0], acc[1] for the lane's first weight row
-// against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second; x0, x1: the
-// lane's 16 columns of its x row (the mma's column lane / 4) as 8 bf16x2 words. MODE 1 (time
+// against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second; the group's
+// four products in two chains of two, so that the tensor cores take two at once. MODE 1 (time
 // without the lookups): the packed words themselves as the A fragments.
 template <int MODE>
-__device__ __forceinline__ void tile_products(const TileStep& st, const uint4 x0, const uint4 x1, uint32_t lane_addr,
-                                              float (&acc)[4]) {
-  const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
+__device__ __forceinline__ void tile_products(const TileStep& st, uint32_t lane_addr, float (&acc)[4]) {
+  const uint32_t xw[8] = {st.x0.x, st.x0.y, st.x0.z, st.x0.w, st.x1.x, st.x1.y, st.x1.z, st.x1.w};
+  float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t wa = s < 2 ? st.a.x : st.a.y, wb = s < 2 ? st.b.x : st.b.y;
     const uint32_t lo = (2 * s) & 3, hi = (2 * s + 1) & 3;
     if (MODE == 1) {
-      mma_bf16(c, wa, wb, wa ^ wb, wa + wb, xw[2 * s], xw[2 * s + 1]);
+      mma_bf16(c[s & 1], wa, wb, wa ^ wb, wa + wb, xw[2 * s], xw[2 * s + 1]);
       continue;
     }
-    mma_bf16(c, pair_codes(wa, lane_addr, lo), pair_codes(wb, lane_addr, lo), pair_codes(wa, lane_addr, hi),
+    mma_bf16(c[s & 1], pair_codes(wa, lane_addr, lo), pair_codes(wb, lane_addr, lo), pair_codes(wa, lane_addr, hi),
              pair_codes(wb, lane_addr, hi), xw[2 * s], xw[2 * s + 1]);
   }
-  acc[0] = fmaf(c[0], st.sa, acc[0]);
-  acc[1] = fmaf(c[1], st.sa, acc[1]);
-  acc[2] = fmaf(c[2], st.sb, acc[2]);
-  acc[3] = fmaf(c[3], st.sb, acc[3]);
+  acc[0] = fmaf(c[0][0] + c[1][0], st.sa, acc[0]);
+  acc[1] = fmaf(c[0][1] + c[1][1], st.sa, acc[1]);
+  acc[2] = fmaf(c[0][2] + c[1][2], st.sb, acc[2]);
+  acc[3] = fmaf(c[0][3] + c[1][3], st.sb, acc[3]);
 }
 
-// The loads of groups g .. g + TABLE_DEPTH - 1 of a tile item (pa, pb: the lane's two rows' bytes at
-// group 0, sa, sb: their absmax). MODE 2 (time without the weight loads): the words made up from
-// the group and the row's address.
-template <int MODE>
-__device__ __forceinline__ void load_tile_steps(TileStep (&st)[TABLE_DEPTH], const uint8_t* pa, const uint8_t* pb,
-                                                const float* sa, const float* sb, int g) {
-  const uint2* qa = reinterpret_cast<const uint2*>(pa + (size_t)g * 32);
-  const uint2* qb = reinterpret_cast<const uint2*>(pb + (size_t)g * 32);
-#pragma unroll
-  for (int i = 0; i < TABLE_DEPTH; ++i) {
-    if (MODE == 2) {
-      const uint32_t h = (uint32_t)(g + i) * 0x9e3779b9u ^ (uint32_t)(uintptr_t)pa;
-      st[i].a = make_uint2(h, h * 3u);
-      st[i].b = make_uint2(h ^ (uint32_t)(uintptr_t)pb, h + 0x7f4a7c15u);
-      st[i].sa = st[i].sb = 1.f;
-      continue;
+// Where a warp's copies stand in its sequence of work items (item, item + warps in grid, ...): the
+// lane's next bytes and absmax to copy, and the groups left in the item.
+struct CopyCursor {
+  int item, left;
+  const uint8_t* src;
+  const float* scales;
+
+  template <class Work>
+  __device__ __forceinline__ void start(const Work& work, int items) {
+    if (item < items) {
+      const TileItem it = work.item(item);
+      src = it.src + (size_t)it.g_lo * 32;
+      scales = it.scales + it.g_lo;
+      left = it.g_hi - it.g_lo;
     }
-    st[i].a = __ldg(qa + 4 * i);
-    st[i].b = __ldg(qb + 4 * i);
-    st[i].sa = __ldg(sa + g + i);
-    st[i].sb = __ldg(sb + g + i);
   }
-}
-
-// The same for the last groups of a slice that ends at g_hi: a group past it repeats the last
-// one's loads and takes an absmax of zero.
-__device__ __forceinline__ void load_tile_steps_to(TileStep (&st)[TABLE_DEPTH], const uint8_t* pa, const uint8_t* pb,
-                                                   const float* sa, const float* sb, int g, int g_hi) {
-#pragma unroll
-  for (int i = 0; i < TABLE_DEPTH; ++i) {
-    const bool ok = g + i < g_hi;
-    const int gc = ok ? g + i : g_hi - 1;
-    st[i].a = __ldg(reinterpret_cast<const uint2*>(pa + (size_t)gc * 32));
-    st[i].b = __ldg(reinterpret_cast<const uint2*>(pb + (size_t)gc * 32));
-    st[i].sa = ok ? __ldg(sa + gc) : 0.f;
-    st[i].sb = ok ? __ldg(sb + gc) : 0.f;
-  }
-}
-
-// A warp's work item on the tiles: the lane's two weight rows (their bytes from its 8-byte part of
-// group 0, and their absmax), its x row (from its 16 columns of group 0), and the item's groups
-// [g_lo, g_hi) of K.
-struct TileItem {
-  const uint8_t* pa;
-  const uint8_t* pb;
-  const float* sa;
-  const float* sb;
-  const uint4* xrow;
-  int g_lo, g_hi;
 };
 
-// The lane's two rows a, b (rows past the weight's repeat its last) in a weight of `stride_p` bytes
-// and `stride_s` absmax per row.
-__device__ __forceinline__ TileItem tile_rows(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
-                                              int ra, int rb, const __nv_bfloat16* xr, int g_lo, int g_hi) {
-  const int t = threadIdx.x & 3;
-  return {packed + (size_t)ra * stride_p + 8 * t, packed + (size_t)rb * stride_p + 8 * t,
-          absmax + (size_t)ra * stride_s, absmax + (size_t)rb * stride_s,
-          reinterpret_cast<const uint4*>(xr) + 2 * t, g_lo, g_hi};
-}
-
-// One item's products over its groups: whole batches of 2 TABLE_DEPTH groups, each batch computed
-// while the next loads, then the last 1 to 2 TABLE_DEPTH - 1 groups with their loads bounded by the
-// slice's end (MODE 2 makes up the words of whole batches only). st holds the item's first groups'
-// loads on entry (load_tile_steps_to at g_lo).
-template <int MODE>
-__device__ __forceinline__ void tile_k_loop(TileStep (&st)[TABLE_DEPTH], const TileItem& it, uint32_t lane_addr,
-                                            float (&acc)[4]) {
-  TileStep nx[TABLE_DEPTH];
-  const int whole = it.g_lo + (it.g_hi - it.g_lo) / (2 * TABLE_DEPTH) * (2 * TABLE_DEPTH);  // whole batches' end
-  for (int g0 = it.g_lo; g0 < whole; g0 += 2 * TABLE_DEPTH) {
-    const uint4* xp = it.xrow + 8 * g0;
-    load_tile_steps<MODE>(nx, it.pa, it.pb, it.sa, it.sb, g0 + TABLE_DEPTH);
-#pragma unroll
-    for (int i = 0; i < TABLE_DEPTH; ++i) {
-      tile_products<MODE>(st[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+// Copies the cursor's group into the ring stage at `stage` (shared address), one copy group per call
+// (empty past the warp's last item, so that the count of groups in flight stays fixed), and moves
+// the cursor on. MODE 2 (time without the weight loads) copies nothing.
+template <int MODE, class Work>
+__device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
+  const int lane = threadIdx.x & 31;
+  if (cur.item < items) {
+    if (MODE != 2) {
+      copy_async16(stage + 16 * lane, cur.src);
+      if (lane < 16) copy_async4(stage + 16 * 32 + 4 * lane, cur.scales);
     }
-    if (g0 + 2 * TABLE_DEPTH < whole) {
-      load_tile_steps<MODE>(st, it.pa, it.pb, it.sa, it.sb, g0 + 2 * TABLE_DEPTH);
-    } else if (whole < it.g_hi) {
-      load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, whole, it.g_hi);
-    }
-    xp += 8 * TABLE_DEPTH;
-#pragma unroll
-    for (int i = 0; i < TABLE_DEPTH; ++i) {
-      tile_products<MODE>(nx[i], load_x(xp + 8 * i), load_x(xp + 8 * i + 1), lane_addr, acc);
+    cur.src += 32;
+    cur.scales += 1;
+    if (--cur.left == 0) {
+      cur.item += warps;
+      cur.start(work, items);
     }
   }
-  if (whole < it.g_hi) {  // the last groups: st holds the first TABLE_DEPTH of them
-    load_tile_steps_to(nx, it.pa, it.pb, it.sa, it.sb, whole + TABLE_DEPTH, it.g_hi);
-#pragma unroll
-    for (int i = 0; i < 2 * TABLE_DEPTH; ++i) {
-      const uint4* xp = it.xrow + 8 * min(whole + i, it.g_hi - 1);
-      tile_products<MODE>(i < TABLE_DEPTH ? st[i] : nx[i - TABLE_DEPTH], load_x(xp), load_x(xp + 1), lane_addr, acc);
-    }
-  }
+  commit_copies();
 }
 
-// Persistent blocks, one per SM: the table is built before the PDL wait, and each warp's first
-// item's first groups are loaded before it too where the item's rows do not depend on what the
-// kernel before writes (Work::kRowsBeforeWait); warp i of the grid then takes work items i, i +
-// warps in grid, ... of `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`), loading
-// the next item's first groups right after an item's products.
+// Persistent blocks, one per SM: the table is built before the PDL wait, and where the items' rows
+// do not depend on what the kernel before writes (Work::kRowsBeforeWait) the first copies are
+// issued before it too; warp i of the grid then takes work items i, i + warps in grid, ... of
+// `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`).
 template <int MODE, class Work>
 __device__ __forceinline__ void run_tiles(const Work& work, const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
   uint32_t* table = smem_words + (table_addr - base) / 4;
-  for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
-    const int v = i >> 5;
-    table[v * 64 + (i & 31)] = bf16x2_bits(__ldg(code + (v >> 4)), __ldg(code + (v & 15)));
+  // thread v makes entry v (its two loads in flight together) and writes its 32 copies, copy
+  // (v + j) % 32 at step j, so that a warp's stores fall on 32 banks
+  for (int v = threadIdx.x; v < 256; v += blockDim.x) {
+    const uint32_t pair = bf16x2_bits(__ldg(code + (v >> 4)), __ldg(code + (v & 15)));  // the even column low
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) table[v * 64 + ((v + j) & 31)] = pair;
   }
-  const uint32_t lane_addr = table_addr | (threadIdx.x & 31) * 4u;
+  constexpr int RING_BYTES = RING_STAGES * STAGE_BYTES;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t lane_addr = table_addr | lane * 4u;
+  const uint32_t ring = base + TABLE_SMEM + warp * RING_BYTES;  // shared address, for the copies
+  const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + TABLE_SMEM + warp * RING_BYTES;
   const int items = work.count(), warps = (gridDim.x * blockDim.x) >> 5;
   int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  TileStep st[TABLE_DEPTH];
-  TileItem it{};
-  if (Work::kRowsBeforeWait && item < items) {
-    it = work.item(item);
-    load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
+  CopyCursor cur{item, 0, nullptr, nullptr};
+  if (Work::kRowsBeforeWait) {
+    cur.start(work, items);
+#pragma unroll
+    for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
   }
   __syncthreads();  // the table
   pdl_enter();
-  if (!Work::kRowsBeforeWait && item < items) {
-    it = work.item(item);
-    load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
+  if (!Work::kRowsBeforeWait) {
+    cur.start(work, items);
+#pragma unroll
+    for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
   }
+  // the stage multiplied next (byte offset in the ring), and the one filled next, the stage before it
+  int read = 0, fill = (RING_STAGES - 1) * STAGE_BYTES;
+  const int a_off = (lane >> 2) * 32 + 8 * (lane & 3), s_off = 16 * 32 + 4 * (lane >> 2);
   for (; item < items; item += warps) {
+    const TileItem it = work.item(item);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    tile_k_loop<MODE>(st, it, lane_addr, acc);
-    work.store(item, acc);
-    if (item + warps < items) {
-      it = work.item(item + warps);
-      load_tile_steps_to(st, it.pa, it.pb, it.sa, it.sb, it.g_lo, it.g_hi);
+    const uint4* xp = it.xrow + 8 * it.g_lo;
+    for (int g = it.g_lo; g < it.g_hi; ++g, xp += 8) {
+      wait_copies<RING_STAGES - 2>();  // this group's copies, then every lane's (below)
+      __syncwarp();
+      TileStep st;
+      if (MODE == 2) {
+        const uint32_t h = (uint32_t)g * 0x9e3779b9u ^ (uint32_t)(uintptr_t)xp;
+        st.a = make_uint2(h, h * 3u);
+        st.b = make_uint2(h ^ 0x5bd1e995u, h + 0x7f4a7c15u);
+        st.sa = st.sb = 1.f;
+      } else {
+        const uint8_t* stage = ring_bytes + read;
+        st.a = *reinterpret_cast<const uint2*>(stage + a_off);
+        st.b = *reinterpret_cast<const uint2*>(stage + a_off + 8 * 32);
+        st.sa = *reinterpret_cast<const float*>(stage + s_off);
+        st.sb = *reinterpret_cast<const float*>(stage + s_off + 8 * 4);
+      }
+      st.x0 = load_x(xp);
+      st.x1 = load_x(xp + 1);
+      // the stage before this one was read by every lane before the barrier above: refill it
+      copy_next<MODE>(work, cur, items, warps, ring + fill);
+      fill = read;
+      read = read == RING_BYTES - STAGE_BYTES ? 0 : read + STAGE_BYTES;
+      tile_products<MODE>(st, lane_addr, acc);
     }
+    work.store(item, acc);
   }
+  wait_copies<0>();  // no copy in flight when the block ends
 }
 
-// y [M, N] = x [M, K] @ W^T: item tile / splits takes rows 16 tile .. 16 tile + 15 over K slice
-// item % splits; lane l's x row is min(l / 4, M - 1) (the mma's column l / 4).
+// y [M, N] = x [M, K] @ W^T: item tile / splits takes rows 16 tile .. 16 tile + 15 (rows past N
+// repeat its last) over K slice item % splits; lane l's x row is min(l / 4, M - 1) (the mma's
+// column l / 4).
 struct DenseTiles {
   const __nv_bfloat16* x;
   const uint8_t* packed;
@@ -434,10 +483,11 @@ struct DenseTiles {
 
   __device__ int count() const { return (n + 15) / 16 * splits; }
   __device__ TileItem item(int i) const {
-    const int tile = i / splits, slice = i - tile * splits, g = (threadIdx.x & 31) >> 2;
-    const int lo = slice * groups_per_split;
-    return tile_rows(packed, absmax, stride_p, stride_s, min(16 * tile + g, n - 1), min(16 * tile + 8 + g, n - 1),
-                     x + (size_t)min(g, m - 1) * stride_x, lo, min(lo + groups_per_split, groups));
+    const int tile = i / splits, slice = i - tile * splits, lo = slice * groups_per_split;
+    const int r0 = 16 * tile, last = n - 1;
+    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return min(r0 + r, last); },
+                     x + (size_t)min((int)(threadIdx.x & 31) >> 2, m - 1) * stride_x, lo,
+                     min(lo + groups_per_split, groups));
   }
   __device__ void store(int i, const float (&acc)[4]) const {
     const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
@@ -482,10 +532,10 @@ struct ExpertGateUpTiles {
 
   __device__ int count() const { return pairs * (inter / 8); }
   __device__ TileItem item(int i) const {
-    const int per = inter / 8, p = i / per, j = i - p * per, g = (threadIdx.x & 31) >> 2;
-    const int row = experts[p] * 2 * inter + 8 * j + g;
-    return tile_rows(packed, absmax, stride_p, stride_s, row, row + inter, x + (size_t)(p / top_k) * stride_x, 0,
-                     groups);
+    const int per = inter / 8, p = i / per, j = i - p * per;
+    const int r0 = experts[p] * 2 * inter + 8 * j, up = inter;
+    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return r0 + (r & 7) + (r >> 3) * up; },
+                     x + (size_t)(p / top_k) * stride_x, 0, groups);
   }
   __device__ void store(int i, const float (&acc)[4]) const {
     const int per = inter / 8, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
@@ -513,9 +563,10 @@ struct ExpertDownTiles {
 
   __device__ int count() const { return pairs * (hidden / 16); }
   __device__ TileItem item(int i) const {
-    const int per = hidden / 16, p = i / per, j = i - p * per, g = (threadIdx.x & 31) >> 2;
-    const int row = experts[p] * hidden + 16 * j + g;
-    return tile_rows(packed, absmax, stride_p, stride_s, row, row + 8, act + (size_t)p * inter, 0, groups);
+    const int per = hidden / 16, p = i / per, j = i - p * per;
+    const int r0 = experts[p] * hidden + 16 * j;
+    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return r0 + r; }, act + (size_t)p * inter, 0,
+                     groups);
   }
   __device__ void store(int i, const float (&acc)[4]) const {
     const int per = hidden / 16, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
@@ -609,26 +660,34 @@ void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, cons
               "an NF4 weight: packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32, K a multiple of 64");
 }
 
-// A tile kernel (one block per SM at most, `warps` warps each) for `items` work items, with its
-// opt-in to more than 48 KiB of dynamic shared memory made once per kernel and device (the
-// kernels of one work type, e.g. a product and its measurement variants, each opt in).
+// A tile kernel (one block per SM at most, `warps` warps each: the table and their rings) for `items`
+// work items, with its opt-in to more than 48 KiB of dynamic shared memory made once per kernel and
+// device (the kernels of one work type, e.g. a product and its measurement variants, each opt in).
 template <class Work>
 void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64_t warps, int64_t blocks,
                   const torch::Device& device, cudaStream_t stream, bool pdl, const Work& work, const float* code) {
   TORCH_CHECK(blocks > 0 && warps >= 1 && warps <= 16, "tiles on tensor cores: 1-16 warps in 1 or more blocks");
-  static_assert(TABLE_SMEM <= 227 * 1024, "the table fits one block's shared memory");
+  static_assert(tile_smem(16) <= 227 * 1024, "the table and 16 warps' rings fit one block's shared memory (Hopper)");
+  const int smem = tile_smem(static_cast<int>(warps));
   {
     static std::mutex mutex;
     static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
     const std::lock_guard<std::mutex> lock(mutex);
     const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device.index()};
-    if (!opted_in.count(key)) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TABLE_SMEM));
+    if (!opted_in.count(key)) {  // as much as the device allows, up to the largest block's
+      int optin = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          std::min(optin, tile_smem(16))));
       opted_in.insert(key);
     }
   }
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  TORCH_CHECK(smem <= optin, "tiles of ", warps, " warps need ", smem, " bytes of shared memory per block; this GPU "
+              "allows ", optin);
   if (items > 0) {
-    launch(kernel, dim3(std::min<int64_t>(blocks, (items + warps - 1) / warps)), dim3(32 * warps), TABLE_SMEM, stream,
+    launch(kernel, dim3(std::min<int64_t>(blocks, (items + warps - 1) / warps)), dim3(32 * warps), smem, stream,
            pdl, work, code);
   }
 }
@@ -637,7 +696,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
-// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory), `split` 0 for the
+// `blocks` blocks (one per SM at most: the table and the warps' rings take 155-182 KiB of shared memory), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
 // above. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
@@ -669,18 +728,17 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   float* part = nullptr;
   if (rows == 16) {
     TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
-    const int groups = k / 64, tiles = (n + 15) / 16, step = 2 * TABLE_DEPTH;
-    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting a
-      // round's start (its first loads in flight) as two groups
+    const int groups = k / 64, tiles = (n + 15) / 16;
+    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
+      // an item's own cost (its x row, its store) as two groups
       const int64_t resident = blocks * warps;
       int64_t best = -1;
-      for (int p = groups; p >= 1; p = p > step ? (p - 1) / step * step : p - 1) {
+      for (int p = groups; p >= 1; --p) {
         const int64_t s = (groups + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 2);
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
-    int per = (groups + split - 1) / split;
-    if (per > step) per = (per + step - 1) / step * step;  // slices of whole load batches, the last one shorter
+    const int per = (groups + split - 1) / split;
     split = (groups + per - 1) / per;
     part = partials(split);
     const DenseTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per,
@@ -713,6 +771,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
            yp, m * n, static_cast<int>(split));
   }
 }
+
+// Shared memory per block of tiles of `warps` warps (the table and their rings).
+int64_t nf4_tile_shared_bytes(int64_t warps) { return tile_smem(static_cast<int>(warps)); }
 
 // The experts' two stages on tiles (kernels/nf4_moe.py): x [T, H] bf16, experts [T * top_k] int32,
 // gate_up packed [E * 2I, H / 2] with absmax [E * 2I, H / 64] -> act [T * top_k, I] bf16; act,
