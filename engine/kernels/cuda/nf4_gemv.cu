@@ -398,8 +398,9 @@ __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int
 
 // Persistent blocks, one per SM: the table is built before the PDL wait, and where the items' rows
 // do not depend on what the kernel before writes (Work::kRowsBeforeWait) the first copies are
-// issued before it too; warp i of the grid then takes work items i, i + warps in grid, ... of
-// `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`).
+// issued before it too; warp w of block b takes work items w x blocks + b, then each one the grid's
+// warps further, of `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`), so that fewer
+// items than warps still spread over every block (every SM).
 template <int MODE, class Work>
 __device__ __forceinline__ void run_tiles(const Work& work, const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
@@ -419,7 +420,7 @@ __device__ __forceinline__ void run_tiles(const Work& work, const float* __restr
   const uint32_t ring = base + TABLE_SMEM + warp * RING_BYTES;  // shared address, for the copies
   const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + TABLE_SMEM + warp * RING_BYTES;
   const int items = work.count(), warps = (gridDim.x * blockDim.x) >> 5;
-  int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  int item = warp * gridDim.x + blockIdx.x;
   CopyCursor cur{item, 0, nullptr, nullptr};
   if (Work::kRowsBeforeWait) {
     cur.start(work, items);
@@ -687,7 +688,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
   TORCH_CHECK(smem <= optin, "tiles of ", warps, " warps need ", smem, " bytes of shared memory per block; this GPU "
               "allows ", optin);
   if (items > 0) {
-    launch(kernel, dim3(std::min<int64_t>(blocks, (items + warps - 1) / warps)), dim3(32 * warps), smem, stream,
+    launch(kernel, dim3(std::min<int64_t>(blocks, items)), dim3(32 * warps), smem, stream,
            pdl, work, code);
   }
 }
