@@ -306,7 +306,7 @@ def source_digest() -> str:
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent / "engine"
-    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c"), *root.rglob("*.cu")]):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
