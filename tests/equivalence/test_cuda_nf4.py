@@ -121,8 +121,8 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     planned launches and others (1-8 weight rows per warp, one warp per row group or persistent
     warps, K split in 1-3 slices, also slices of one chunk; tiles of 16 rows on tensor cores in
     1-16 warps per block, K split 1-40 ways, 1-8 rows of x) on Gemma-3 4B projection shapes and
-    odd ones (rows not a multiple of a warp's or a tile's; K of 64, 448, 768 and 1152, whose
-    slices end in 1-3 groups past whole batches), against dequantize_4bit + F.linear on the same
+    odd ones (rows not a multiple of a warp's or a tile's; K of 64, 448, 768 and 1152: 1, 7, 12 and
+    18 groups, slices shorter than a warp's ring), against dequantize_4bit + F.linear on the same
     packed weight, with and without PDL; a planned CUDA launch on an x it does not take (not
     16-byte aligned) runs the Triton kernel instead; planned launches replay from a CUDA graph, launched with PDL,
     the second reading what the first wrote."""
