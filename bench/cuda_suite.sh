@@ -101,15 +101,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] && [ "${NCU_RUN:-1}" = 1 ] && timeout 200 "$NCU" --clock-control none -k regex:nf4_gemv_table_kernel \
       -s 4 -c 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats python3 -c "
-import torch; from engine.kernels import nf4, nf4_cuda
-w = nf4.NF4Weight(torch.randint(0, 256, (20480, 1280), dtype=torch.uint8, device='cuda'),
-                  torch.rand(20480, 40, device='cuda'), torch.linspace(-1, 1, 16, device='cuda'), torch.bfloat16)
-x = torch.randn(1, 2560, device='cuda').to(torch.bfloat16)
-for _ in range(3):
-    nf4_cuda.gemv(x, w, (16, 12, 1, 1), 132)
-    nf4_cuda.gemv(x, w, (16, 12, 1, 1), 132, mode=2)
-torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-stream.log" | grep -v "^==PROF==" | grep -v "^ *$" \
+      --section WarpStateStats --section SchedulerStats python3 -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2 \
+      2>&1 | tee "$OUT/ncu-nf4-stream.log" | grep -v "^==PROF==" | grep -v "^ *$" \
       | grep -E "table_kernel|Duration|Memory Throughput|DRAM Throughput|Registers|Achieved Occ|Stall|Issued Warp|Eligible|Warp Cycles" | head -40
     [ "${AFTER:-1}" = 1 ] && timeout 240 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-cuda-stream.log" | grep -v disagrees

@@ -11,6 +11,11 @@ words), and without the weight loads (the lookups and products on made-up words)
 differences say where the time goes.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
+    python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
+
+`--profile` runs the given launches (`rows,warps,split,blocks_per_sm`, `:mode` for a measurement
+variant) on one row of x against a Gemma-3 4B gate/up-shaped weight of random codes, `--reps`
+times each, and times nothing: a profiler (Nsight Compute) attached to the process measures them.
 
 The kernel is built by torch's extension loader (nvcc and ninja needed).
 """
@@ -44,9 +49,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1],
                     help="rows of x (above one only the tensor-core tiles take them)")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--profile", nargs="+", default=None, metavar="LAUNCH[:MODE]",
+                    help="run these launches for a profiler and exit")
+    ap.add_argument("--reps", type=int, default=3, help="--profile: runs of each launch")
     a = ap.parse_args()
     if nf4_cuda.extension() is None:
         raise SystemExit("the CUDA NF4 kernel did not build here (a CUDA compiler and ninja are needed)")
+    if a.profile:
+        return profile(a.profile, a.reps)
     dtype = torch.bfloat16
     bw = copy_bandwidth("cuda") / 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -115,6 +125,25 @@ def main() -> None:
         "copy_read_bandwidth_bytes_s": bw, "rows": rows_out,
         "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__, "commit": git_commit(),
                      "engine_source_sha256": source_digest()}})
+
+
+def profile(launches: list[str], reps: int) -> None:
+    """`launches` ("rows,warps,split,blocks_per_sm[:mode]") on one row of x against a Gemma-3 4B
+    gate/up-shaped NF4 weight (random codes and absmax), `reps` times each, in turn."""
+    n_out, k = projections("gemma3-4b")["gate_up"]
+    w = nf4.NF4Weight(torch.randint(0, 256, (n_out, k // 2), dtype=torch.uint8, device="cuda"),
+                      torch.rand(n_out, k // 64, device="cuda"), torch.linspace(-1, 1, 16, device="cuda"),
+                      torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = []
+    for spec in launches:
+        launch, _, mode = spec.partition(":")
+        runs.append((tuple(int(v) for v in launch.split(",")), int(mode or 0)))
+    for _ in range(reps):
+        for launch, mode in runs:
+            nf4_cuda.gemv(x, w, launch, sms, mode=mode)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
