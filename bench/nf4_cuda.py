@@ -8,7 +8,8 @@ weight, beside the Triton-only plan's launch and the bf16 library product, timed
 served from L2). The fastest three launches of each kind (FMAs, tiles) are timed again with one
 stage left out (the source's MODE): without the lookups (the loads and the products on the raw
 words), and without the weight loads (the lookups and products on made-up words), so the
-differences say where the time goes.
+differences say where the time goes; the fastest tile launches also with the weights' copies
+prefetching 128 bytes per row into L2 (MODE 3, the product).
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
@@ -94,6 +95,10 @@ def main() -> None:
                 launch = r["launch"]
                 r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
                 r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))
+                if launch[0] == tile and nf4_plan.agrees(nf4_cuda.gemv(x, ws[0], launch, sms, mode=3), want):
+                    # the product with L2 fetching each row's 128 bytes around a copy
+                    r["l2_prefetch_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=3) for w in ws],
+                                                len(ws))
             best = results[0] if results else None
             floor_us = nbytes / bw * 1e6
             planned = min((r for r in plan if r >= m), default=None)
@@ -104,7 +109,8 @@ def main() -> None:
             def desc(r):
                 if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"
-                return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}"
+                l2 = f"; with the L2 prefetch {r['l2_prefetch_us']:.1f}" if r.get("l2_prefetch_us") else ""
+                return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}{l2}"
 
             if best:
                 print(f"{name:>8} {f'{n_out}x{k}':>13} {m:>4} {triton_us:>9.1f} {best['us']:>8.1f} "
@@ -117,7 +123,7 @@ def main() -> None:
                                    ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile)):
                     r = next((r for r in results if pick(r)), None)
                     if r:
-                        print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {r['launch']}")
+                        print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {desc(r)}")
         ws = full = []
         torch.cuda.empty_cache()
     write_result(a.out, f"nf4-cuda-gemv-{a.shape}", {

@@ -100,3 +100,18 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
     assert sum(inner.values()) <= 5 * weights, sum(inner.values()) / weights
+
+
+def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its_copies(built):
+    """MODE 3 of the dense tiles (the product, timed by `bench.nf4_cuda` beside it) has L2 fetch 128
+    bytes around each 16-byte copy of the weights; the product's copies carry no prefetch hint."""
+    _, sass = built
+    parts = {m.group(1): p for p in re.split(r"\n(?=\s*\.text\.)", sass)
+             if (m := re.match(r"\s*\.text\.\S*nf4_gemv_table_kernelILi(\d)E", p))}
+    assert set(parts) == {"0", "3"}, sorted(parts)
+    copies = {mode: re.findall(r"LDGSTS\.E\.BYPASS(\.LTC128B)?\.128", part) for mode, part in parts.items()}
+    assert copies["0"] and not any(copies["0"]), copies["0"]
+    assert copies["3"] and all(hint == ".LTC128B" for hint in copies["3"]), copies["3"]
+    ops = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", re.M)
+    strip = lambda part: collections.Counter(op.replace(".LTC128B", "") for op in ops.findall(part))
+    assert strip(parts["0"]) == strip(parts["3"])

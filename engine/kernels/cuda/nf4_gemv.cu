@@ -67,7 +67,8 @@ struct Step {
 
 // MODE 0: the product. To place the time, two variants that leave one stage out (their output
 // is not the product): 1, the loads alone (each word's bits summed, no lookup); 2, the lookups
-// and products alone (the weight words made up from the chunk index, no weight load).
+// and products alone (the weight words made up from the chunk index, no weight load). The tiles
+// take a third, the product itself with another way of loading (3: below).
 
 // Chunk c of rows row0 .. row0 + ROWS - 1 (rows past the last repeat it and are not stored); a
 // lane past the slice [c_lo, c_hi) reads chunk c_lo and scales it by zero.
@@ -249,10 +250,16 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 }
 
 // cp.async needs compute capability 8.0, as bf16 mma.sync does (nf4_cuda.fits keeps the tiles from
-// older GPUs, for which the extension still builds the row kernels)
+// older GPUs, for which the extension still builds the row kernels). PREFETCH: L2 fetches the 128
+// bytes around the copy's 16 (the tiles' MODE 3).
+template <bool PREFETCH = false>
 __device__ __forceinline__ void copy_async16(uint32_t dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  if (PREFETCH) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  }
 #else
   __trap();
 #endif
@@ -377,13 +384,14 @@ struct CopyCursor {
 
 // Copies the cursor's group into the ring stage at `stage` (shared address), one copy group per call
 // (empty past the warp's last item, so that the count of groups in flight stays fixed), and moves
-// the cursor on. MODE 2 (time without the weight loads) copies nothing.
+// the cursor on. MODE 2 (time without the weight loads) copies nothing; MODE 3 (the product) has
+// L2 fetch each row's 128 bytes around its copy, four groups of it.
 template <int MODE, class Work>
 __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
   const int lane = threadIdx.x & 31;
   if (cur.item < items) {
     if (MODE != 2) {
-      copy_async16(stage + 16 * lane, cur.src);
+      copy_async16<MODE == 3>(stage + 16 * lane, cur.src);
       if (lane < 16) copy_async4(stage + 16 * 32 + 4 * lane, cur.scales);
     }
     cur.src += 32;
@@ -610,6 +618,7 @@ template __global__ void nf4_gemv_persistent_kernel<1, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<2, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*);
+template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -699,7 +708,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table and the warps' rings take 155-182 KiB of shared memory), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
-// above. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
+// above; 3 (tiles) the product with L2 prefetching 128 bytes per copy. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
@@ -728,7 +737,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode >= 0 && mode <= 2 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
+    TORCH_CHECK(mode >= 0 && mode <= 3 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
     const int groups = k / 64, tiles = (n + 15) / 16;
     if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
       // an item's own cost (its x row, its store) as two groups
@@ -747,9 +756,10 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int64_t items = static_cast<int64_t>(tiles) * split;
     if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else launch_tiles(nf4_gemv_table_kernel<0>, items, warps, blocks, x.device(), stream, pdl, work, cp);
   } else {
-    TORCH_CHECK(m == 1, "1-8 weight rows per warp take one row of x");
+    TORCH_CHECK(m == 1 && mode >= 0 && mode <= 2, "1-8 weight rows per warp take one row of x (modes 0-2)");
     const int chunks = k / 32;
     const int per = (chunks + split - 1) / split;
     split = (chunks + per - 1) / per;  // every slice holds a chunk: each writes its partials
