@@ -109,7 +109,7 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     """x [M, K] @ W^T -> [M, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w, launch)` must
     hold; `sms`: the device's multiprocessors; `pdl`: launched with PDL, as kernels/launch.py's
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
-    measurement variants, not the product)."""
+    measurement variants, not the product, and 3 the tiles' product with L2 prefetching)."""
     rows, warps, split, per_sm = launch
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     # the launcher allocates the float32 partials of a K split (it settles the split), so y stands
@@ -118,18 +118,20 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     return y
 
 
-# the experts' tile launches (warps per block, blocks per SM) the GPU tests and `bench.tune_kernels
-# --experts --nf4` run
+# the experts' tile launches (warps per block, blocks per SM) the plans, the GPU tests and
+# `bench.tune_kernels --experts --nf4` run, where the GPU holds them (`experts_fit`)
 EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1))
 
 
-def experts_fit(x: torch.Tensor, gate_up, down) -> bool:
-    """Whether the experts' tiles take these operands: bf16 tokens whose rows are 16-byte aligned,
-    on the weights' CUDA device, H a multiple of 16 and I of 64 (kernels/nf4_moe.py's layout)."""
+def experts_fit(x: torch.Tensor, gate_up, down, launch: tuple[int, int] | None = None) -> bool:
+    """Whether the experts' tiles take these operands (in `launch`, where given: its warps' rings
+    fit the GPU's shared memory): bf16 tokens whose rows are 16-byte aligned, on the weights' CUDA
+    device, H a multiple of 16 and I of 64 (kernels/nf4_moe.py's layout)."""
     hidden, inter = gate_up.shape[1], down.shape[1]
+    warps = launch[0] if launch is not None else min(w for w, _ in EXPERT_LAUNCHES)
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and hidden % 16 == 0 and inter % 64 == 0
-            and tiles_supported(x.device.index) and gate_up.shape[0] % (2 * inter) == 0
+            and tiles_supported(x.device.index, warps) and gate_up.shape[0] % (2 * inter) == 0
             and down.shape[0] % hidden == 0 and _weight_fits(gate_up, x.device, hidden)
             and _weight_fits(down, x.device, inter))
 

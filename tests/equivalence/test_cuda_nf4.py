@@ -177,13 +177,18 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
             xm = torch.randn(m, k + 256, device="cuda").to(torch.bfloat16)[:, 256:]  # rows k + 256 apart
             want_m = F.linear(xm, bnb_weight(p))
             for launch_ in ((16, 8, 0, 1), (16, 16, 1, 1), (16, 4, 3, 1)):
-                assert nf4_cuda.fits(xm, w, launch_)
+                # a block of 16 warps' rings takes 182 KiB of shared memory: more than some GPUs hold
+                assert nf4_cuda.fits(xm, w, launch_) == nf4_cuda.tiles_supported(0, launch_[1])
+                if not nf4_cuda.fits(xm, w, launch_):
+                    continue
                 err = rel(nf4_cuda.gemv(xm, w, launch_, sms, pdl), want_m)
                 assert err < 1.5e-2, (n, k, m, launch_, err)
                 worst = max(worst, err)
             assert not nf4_cuda.fits(xm, w, nf4_cuda.CANDIDATES[0])  # rows 1-8 per warp take one x row
             assert not nf4_cuda.fits(torch.randn(9, k, device="cuda").to(torch.bfloat16), w, (16, 8, 0, 1))
-    assert tiles == len(shapes) * (len(nf4_cuda.TILE_LAUNCHES) + 8), tiles  # every tile launch on every shape
+    held = [t for t in nf4_cuda.TILE_LAUNCHES + tuple((16, w_, 0, 1) for w_ in (1, 8) for _ in range(4))
+            if nf4_cuda.tiles_supported(0, t[1])]
+    assert tiles == len(shapes) * len(held), tiles  # every tile launch the GPU holds, on every shape
     print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
@@ -244,7 +249,8 @@ def test_nf4_experts_match_bitsandbytes_dequantize_and_the_stock_math(dtype):
                      down_launch=dict(block_n=32, block_k=128, warps=4, stages=2))]
     tiles = dtype == torch.bfloat16 and nf4_cuda.extension() is not None
     if tiles:
-        launches += [dict(tiles=t) for t in nf4_cuda.EXPERT_LAUNCHES] + [dict(tiles=(8, 1), pdl=pdl)]
+        launches += [dict(tiles=t) for t in nf4_cuda.EXPERT_LAUNCHES if nf4_cuda.tiles_supported(0, t[0])] + \
+            [dict(tiles=(8, 1), pdl=pdl)]
     worst = 0.0
     for T in (1, 2, 8, 64, 65, 300):
         idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices

@@ -706,7 +706,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
-// `blocks` blocks (one per SM at most: the table and the warps' rings take 155-182 KiB of shared memory), `split` 0 for the
+// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory and each warp's ring 3.4 KiB), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
