@@ -47,12 +47,6 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ uint2 load_weights(const uint2* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -430,18 +424,15 @@ __device__ __forceinline__ void run_tiles(const Work& work, const float* __restr
   const int items = work.count(), warps = (gridDim.x * blockDim.x) >> 5;
   int item = warp * gridDim.x + blockIdx.x;
   CopyCursor cur{item, 0, nullptr, nullptr};
-  if (Work::kRowsBeforeWait) {
+  auto fill_ring = [&] {  // the first RING_STAGES - 1 groups of the warp's items
     cur.start(work, items);
 #pragma unroll
     for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
-  }
+  };
+  if (Work::kRowsBeforeWait) fill_ring();
   __syncthreads();  // the table
   pdl_enter();
-  if (!Work::kRowsBeforeWait) {
-    cur.start(work, items);
-#pragma unroll
-    for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
-  }
+  if (!Work::kRowsBeforeWait) fill_ring();
   // the stage multiplied next (byte offset in the ring), and the one filled next, the stage before it
   int read = 0, fill = (RING_STAGES - 1) * STAGE_BYTES;
   const int a_off = (lane >> 2) * 32 + 8 * (lane & 3), s_off = 16 * 32 + 4 * (lane >> 2);
