@@ -175,11 +175,11 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
         if in_nf4 and stage == "gate_up":  # the launch by token count
             current = current[min(t for t in current if t >= tokens)]
         yield stage, int(distinct * nbytes * per_weight), current, cands
-    if in_nf4 and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down):
+    if in_nf4 and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, top_k=K):
         # both stages: the Triton kernels at their current launches, and kernels/nf4_cuda.py's tiles
         cands = {"triton": [lambda idx=idx: run(x, idx, w, gate_up, down) for idx in idxs]}
         for tiles in nf4_cuda.EXPERT_LAUNCHES:
-            if not nf4_cuda.experts_fit(x, gate_up, down, tiles):  # more shared memory than this GPU has
+            if not nf4_cuda.experts_fit(x, gate_up, down, tiles, K):  # more shared memory than this GPU has
                 continue
             y = run(x, idxs[0], w, gate_up, down, tiles=tiles)
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2

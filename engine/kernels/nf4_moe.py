@@ -147,7 +147,7 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
     if not T:
         return y
     args = kernel_args(pdl)
-    if tiles is not None and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, tiles):
+    if tiles is not None and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, tiles, k):
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         part = nf4_cuda.experts(x, idx, wts, gate_up, down, tiles, sms, pdl)
         _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **args)

@@ -179,7 +179,7 @@ def plan_experts(layers: list[tuple[NF4Weight, NF4Weight]], top_k: int,
 
         best, plan[tokens] = graph_ms(lambda: run(None), reps=3), None
         for tiles in nf4_cuda.EXPERT_LAUNCHES:
-            if not nf4_cuda.experts_fit(x, gate_up, down, tiles):
+            if not nf4_cuda.experts_fit(x, gate_up, down, tiles, top_k):
                 continue
             try:
                 if not agrees(nf4_moe.experts(x, idxs[0], w, gate_up, down, pdl=pdl, tiles=tiles), want):

@@ -65,11 +65,14 @@ def test_the_loops_shuffle_once_per_weight_in_converged_code(built):
 
 
 def _loops(text: str) -> list[collections.Counter]:
-    """Opcodes of every loop (a label and a later branch back to it), innermost first."""
+    """Opcodes of every loop (a label and a later branch back to it), innermost first. Branches
+    from past the function's last EXIT are not loops: the compiler puts the slow paths of warp
+    collectives there (e.g. a match over lanes it cannot prove converged), each jumping back."""
     lines = text.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    end = max((i for i, line in enumerate(lines) if re.search(r"\sEXIT\s*;", line)), default=len(lines))
     spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i and i < end]
     op = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)?)", re.M)
     spans.sort(key=lambda s: s[1] - s[0])
     return [collections.Counter(op.findall("\n".join(lines[a:b + 1]))) for a, b in spans]
@@ -81,7 +84,8 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     columns per iteration: the weights come from the warp's ring in shared memory (two 8-byte reads
     per lane), refilled by asynchronous copies past L1 (one 16-byte copy per lane and one of the
     absmax), one wait on the copies in flight per group and no global load but x's two vectors (and,
-    for the experts, the expert id of the next item the copies move to); each byte's two codes by
+    for the experts, the expert id of the next item the copies move to, with its slot of pairs);
+    each byte's two codes by
     one byte permute (the table address) and one shared-memory load, four per mma of 16 x 16
     weights; no spills or local memory. The loop holds the copies' move to the next work item (a
     division by the items per tile, taken once per item), so its budget is 5 instructions per weight

@@ -234,6 +234,8 @@ constexpr int TABLE_BYTES = 256 * 256;
 constexpr int TABLE_SMEM = 2 * TABLE_BYTES;  // holds the table from the first 64 KiB boundary past the block's base
 constexpr int RING_STAGES = 6;
 constexpr int STAGE_BYTES = 16 * 32 + 16 * 4;
+constexpr int SCRATCH_BYTES = 16 * 1024;  // a Work's own shared memory (run_tiles)
+static_assert(2 * SCRATCH_BYTES <= TABLE_BYTES, "the table's region leaves the scratch free on one side");
 
 // A block's shared memory: the table, then each warp's ring
 constexpr int tile_smem(int warps) { return TABLE_SMEM + warps * RING_STAGES * STAGE_BYTES; }
@@ -402,13 +404,20 @@ __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int
 // do not depend on what the kernel before writes (Work::kRowsBeforeWait) the first copies are
 // issued before it too; warp w of block b takes work items w x blocks + b, then each one the grid's
 // warps further, of `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`), so that fewer
-// items than warps still spread over every block (every SM).
+// items than warps still spread over every block (every SM). After the PDL wait the block's
+// threads call `work.prepare(scratch)` together (SCRATCH_BYTES of shared memory, in the part of
+// the table's region the table leaves free) before the first item is read; a Work whose rows come
+// before the wait has nothing to prepare.
 template <int MODE, class Work>
-__device__ __forceinline__ void run_tiles(const Work& work, const float* __restrict__ code) {
+__device__ __forceinline__ void run_tiles(const Work& params, const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
   uint32_t* table = smem_words + (table_addr - base) / 4;
+  // the table's region holds TABLE_BYTES free before the table and after it together
+  const uint32_t pad = table_addr - base;
+  uint8_t* scratch = reinterpret_cast<uint8_t*>(smem_words) + (pad >= SCRATCH_BYTES ? 0 : pad + TABLE_BYTES);
+  Work work = params;
   // thread v makes entry v (its two loads in flight together) and writes its 32 copies, copy
   // (v + j) % 32 at step j, so that a warp's stores fall on 32 banks
   for (int v = threadIdx.x; v < 256; v += blockDim.x) {
@@ -421,7 +430,8 @@ __device__ __forceinline__ void run_tiles(const Work& work, const float* __restr
   const uint32_t lane_addr = table_addr | lane * 4u;
   const uint32_t ring = base + TABLE_SMEM + warp * RING_BYTES;  // shared address, for the copies
   const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + TABLE_SMEM + warp * RING_BYTES;
-  const int items = work.count(), warps = (gridDim.x * blockDim.x) >> 5;
+  int items = Work::kPrepares ? 0 : work.count();
+  const int warps = (gridDim.x * blockDim.x) >> 5;
   int item = warp * gridDim.x + blockIdx.x;
   CopyCursor cur{item, 0, nullptr, nullptr};
   auto fill_ring = [&] {  // the first RING_STAGES - 1 groups of the warp's items
@@ -429,9 +439,14 @@ __device__ __forceinline__ void run_tiles(const Work& work, const float* __restr
 #pragma unroll
     for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
   };
+  static_assert(!(Work::kRowsBeforeWait && Work::kPrepares), "rows read before the wait need no preparation");
   if (Work::kRowsBeforeWait) fill_ring();
   __syncthreads();  // the table
   pdl_enter();
+  if (Work::kPrepares) {
+    work.prepare(scratch);
+    items = work.count();
+  }
   if (!Work::kRowsBeforeWait) fill_ring();
   // the stage multiplied next (byte offset in the ring), and the one filled next, the stage before it
   int read = 0, fill = (RING_STAGES - 1) * STAGE_BYTES;
@@ -479,7 +494,8 @@ struct DenseTiles {
   float* partial;  // [splits, M, N] float32 where K is split
   __nv_bfloat16* y;
   int n, m, stride_x, stride_p, stride_s, groups, groups_per_split, splits;
-  static constexpr bool kRowsBeforeWait = true;
+  static constexpr bool kRowsBeforeWait = true, kPrepares = false;
+  __device__ void prepare(uint8_t*) {}
 
   __device__ int count() const { return (n + 15) / 16 * splits; }
   __device__ TileItem item(int i) const {
@@ -513,44 +529,136 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles
   run_tiles<MODE>(work, code);
 }
 
+// The experts' (token, chosen expert) pairs grouped by expert, as each block of the experts' tiles
+// builds them in its shared memory after the PDL wait (the experts are the router's output): the
+// pairs in order of expert (positions), each expert's in pair order, cut into slots of at most 8
+// pairs of one expert, a tile's 8 columns, so that an expert's weights are read once for up to 8
+// of its tokens. Every block builds the same slots. Ids outside [0, E) (a router gives none) are
+// clamped, so that none reaches outside the scratch.
+constexpr int MAX_EXPERTS = 1024, MAX_PAIRS = 1024, MAX_SLOT_PAIRS = 8;
+
+struct PairSlots {
+  const uint16_t* order;  // [P] position -> pair
+  const uint16_t* first;  // [S + 1] slot -> its first position, first[S] = P
+  int slots;
+
+  __device__ void build(const int* __restrict__ experts, int pairs, int n_experts, uint8_t* scratch) {
+    int* base = reinterpret_cast<int*>(scratch);                    // [E] count, then first position
+    int* slot_base = base + MAX_EXPERTS;                            // [E] first slot
+    uint16_t* within = reinterpret_cast<uint16_t*>(slot_base + MAX_EXPERTS);  // [P] index among its expert's pairs
+    uint16_t* pos_pair = within + MAX_PAIRS;
+    uint16_t* slot_first = pos_pair + MAX_PAIRS;
+    int* total = reinterpret_cast<int*>(slot_first + MAX_PAIRS + 2);
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) base[e] = 0;
+    __syncthreads();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    if (threadIdx.x < 32) {  // warp 0, 32 pairs at a time in pair order
+      const int lane = threadIdx.x;
+      for (int p0 = 0; p0 < pairs; p0 += 32) {
+        const int p = p0 + lane;
+        const int e = p < pairs ? min(max(experts[p], 0), n_experts - 1) : -1;
+        const uint32_t same = __match_any_sync(0xffffffffu, e);
+        const int leader = __ffs(same) - 1;
+        int before = 0;
+        if (lane == leader && e >= 0) {
+          before = base[e];
+          base[e] = before + __popc(same);
+        }
+        before = __shfl_sync(0xffffffffu, before, leader);
+        if (p < pairs) within[p] = before + __popc(same & ((1u << lane) - 1));
+        __syncwarp();
+      }
+      // each expert's first position and first slot: sums over the experts before it (lane l takes
+      // experts l x per .. l x per + per - 1)
+      const int per = (n_experts + 31) / 32, lo = min(lane * per, n_experts), hi = min(lo + per, n_experts);
+      int pos = 0, slot = 0;
+      for (int e = lo; e < hi; ++e) pos += base[e], slot += (base[e] + MAX_SLOT_PAIRS - 1) / MAX_SLOT_PAIRS;
+      for (int off = 1; off < 32; off <<= 1) {
+        const int up_pos = __shfl_up_sync(0xffffffffu, pos, off), up_slot = __shfl_up_sync(0xffffffffu, slot, off);
+        if (lane >= off) pos += up_pos, slot += up_slot;
+      }
+      if (lane == 31) *total = slot;
+      pos = __shfl_up_sync(0xffffffffu, pos, 1);
+      slot = __shfl_up_sync(0xffffffffu, slot, 1);
+      if (lane == 0) pos = slot = 0;
+      for (int e = lo; e < hi; ++e) {
+        const int count = base[e];
+        base[e] = pos;
+        slot_base[e] = slot;
+        pos += count;
+        slot += (count + MAX_SLOT_PAIRS - 1) / MAX_SLOT_PAIRS;
+      }
+    }
+#else
+    __trap();
+#endif
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+      const int e = min(max(experts[p], 0), n_experts - 1), w = within[p], pos = base[e] + w;
+      pos_pair[pos] = static_cast<uint16_t>(p);
+      if (w % MAX_SLOT_PAIRS == 0) slot_first[slot_base[e] + w / MAX_SLOT_PAIRS] = static_cast<uint16_t>(pos);
+    }
+    if (threadIdx.x == 0) slot_first[*total] = static_cast<uint16_t>(pairs);
+    __syncthreads();
+    order = pos_pair;
+    first = slot_first;
+    slots = *total;
+  }
+
+  // slot s's first position and its pair count; the pair in column c (columns past the count
+  // repeat its first pair, and are not stored)
+  __device__ int2 span(int s) const { return make_int2(first[s], first[s + 1] - first[s]); }
+  __device__ int pair(int2 sp, int c) const { return order[sp.x + (c < sp.y ? c : 0)]; }
+};
+static_assert(2 * MAX_EXPERTS * 4 + (3 * MAX_PAIRS + 2) * 2 + 4 <= SCRATCH_BYTES, "the slots fit the scratch");
+
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 // The experts' first stage (kernels/nf4_moe.py's layout: expert e's gate rows at e * 2I of gate_up,
-// its up rows I after them), one (token, chosen expert) pair at a time: item (pair, j) takes the
-// pair's expert's gate rows 8j .. 8j + 7 as the tile's first eight rows and the matching up rows as
-// its last eight, against the pair's token, and stores gelu_tanh(gate) * up for those 8 columns of
-// the pair's activation, each product and the activation rounded to bf16 where the stock module
-// rounds them (as moe.py's _store_activation).
+// its up rows I after them), one slot of pairs at a time: item (slot, j) takes the slot's expert's
+// gate rows 8j .. 8j + 7 as the tile's first eight rows and the matching up rows as its last
+// eight, against the slot's tokens (the mma's columns), and stores gelu_tanh(gate) * up for those
+// 8 columns of each pair's activation, each product and the activation rounded to bf16 where the
+// stock module rounds them (as moe.py's _store_activation).
 struct ExpertGateUpTiles {
   const __nv_bfloat16* x;  // [T, H]
   const int* experts;      // [T * top_k], the pairs' experts
   const uint8_t* packed;
   const float* absmax;
   __nv_bfloat16* act;  // [T * top_k, I]
-  int pairs, top_k, inter, stride_x, stride_p, stride_s, groups;
-  static constexpr bool kRowsBeforeWait = false;  // the experts are the router's output
+  int pairs, top_k, inter, stride_x, stride_p, stride_s, groups, n_experts;
+  PairSlots slots;
+  static constexpr bool kRowsBeforeWait = false, kPrepares = true;
 
-  __device__ int count() const { return pairs * (inter / 8); }
+  __device__ void prepare(uint8_t* scratch) { slots.build(experts, pairs, n_experts, scratch); }
+  __device__ int count() const { return slots.slots * (inter / 8); }
   __device__ TileItem item(int i) const {
-    const int per = inter / 8, p = i / per, j = i - p * per;
-    const int r0 = experts[p] * 2 * inter + 8 * j, up = inter;
+    const int per = inter / 8, s = i / per, j = i - s * per;
+    const int2 sp = slots.span(s);
+    const int r0 = experts[slots.pair(sp, 0)] * 2 * inter + 8 * j, up = inter;
+    const int token = slots.pair(sp, (threadIdx.x & 31) >> 2) / top_k;
     return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return r0 + (r & 7) + (r >> 3) * up; },
-                     x + (size_t)(p / top_k) * stride_x, 0, groups);
+                     x + (size_t)token * stride_x, 0, groups);
   }
   __device__ void store(int i, const float (&acc)[4]) const {
-    const int per = inter / 8, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
-    if (lane & 3) return;  // every column holds the same sums
-    const float g = round_bf16(acc[0]), u = round_bf16(acc[2]);
-    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    const float a = round_bf16(0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f)));
-    act[(size_t)p * inter + 8 * j + (lane >> 2)] = __float2bfloat16(a * u);
+    const int per = inter / 8, s = i / per, j = i - s * per, lane = threadIdx.x & 31;
+    const int2 sp = slots.span(s);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {  // lane t holds the mma's columns 2t and 2t + 1
+      const int col = 2 * (lane & 3) + c;
+      if (col >= sp.y) continue;
+      const float g = round_bf16(acc[c]), u = round_bf16(acc[2 + c]);
+      const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      const float a = round_bf16(0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f)));
+      act[(size_t)slots.pair(sp, col) * inter + 8 * j + (lane >> 2)] = __float2bfloat16(a * u);
+    }
   }
 };
 
-// The experts' second stage: item (pair, j) takes the pair's expert's down rows 16j .. 16j + 15
-// (expert e's rows at e * H) against the pair's activation, and stores them rounded to bf16 and
-// weighted by the router, float32, into the pair's partial [H] (moe.py's _sum_pairs adds a token's
-// top_k partials in order).
+// The experts' second stage: item (slot, j) takes the slot's expert's down rows 16j .. 16j + 15
+// (expert e's rows at e * H) against its pairs' activations, and stores them rounded to bf16 and
+// weighted by the router, float32, into each pair's partial [H] (moe.py's _sum_pairs adds a
+// token's top_k partials in order).
 struct ExpertDownTiles {
   const __nv_bfloat16* act;  // [pairs, I]
   const int* experts;
@@ -558,23 +666,32 @@ struct ExpertDownTiles {
   const uint8_t* packed;
   const float* absmax;
   float* part;  // [pairs, H]
-  int pairs, hidden, inter, stride_p, stride_s, groups;
-  static constexpr bool kRowsBeforeWait = false;
+  int pairs, hidden, inter, stride_p, stride_s, groups, n_experts;
+  PairSlots slots;
+  static constexpr bool kRowsBeforeWait = false, kPrepares = true;
 
-  __device__ int count() const { return pairs * (hidden / 16); }
+  __device__ void prepare(uint8_t* scratch) { slots.build(experts, pairs, n_experts, scratch); }
+  __device__ int count() const { return slots.slots * (hidden / 16); }
   __device__ TileItem item(int i) const {
-    const int per = hidden / 16, p = i / per, j = i - p * per;
-    const int r0 = experts[p] * hidden + 16 * j;
-    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return r0 + r; }, act + (size_t)p * inter, 0,
-                     groups);
+    const int per = hidden / 16, s = i / per, j = i - s * per;
+    const int2 sp = slots.span(s);
+    const int r0 = experts[slots.pair(sp, 0)] * hidden + 16 * j;
+    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return r0 + r; },
+                     act + (size_t)slots.pair(sp, (threadIdx.x & 31) >> 2) * inter, 0, groups);
   }
   __device__ void store(int i, const float (&acc)[4]) const {
-    const int per = hidden / 16, p = i / per, j = i - p * per, lane = threadIdx.x & 31;
-    if (lane & 3) return;
-    const float w = weights[p];
-    float* out = part + (size_t)p * hidden + 16 * j + (lane >> 2);
-    out[0] = round_bf16(acc[0]) * w;
-    out[8] = round_bf16(acc[2]) * w;
+    const int per = hidden / 16, s = i / per, j = i - s * per, lane = threadIdx.x & 31;
+    const int2 sp = slots.span(s);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = 2 * (lane & 3) + c;
+      if (col >= sp.y) continue;
+      const int p = slots.pair(sp, col);
+      const float w = weights[p];
+      float* out = part + (size_t)p * hidden + 16 * j + (lane >> 2);
+      out[0] = round_bf16(acc[c]) * w;
+      out[8] = round_bf16(acc[2 + c]) * w;
+    }
   }
 };
 
@@ -777,10 +894,21 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
 // Shared memory per block of tiles of `warps` warps (the table and their rings).
 int64_t nf4_tile_shared_bytes(int64_t warps) { return tile_smem(static_cast<int>(warps)); }
 
+// The pairs and experts a block's slots hold (PairSlots)
+void check_pairs(int64_t pairs, int64_t n_experts) {
+  TORCH_CHECK(pairs >= 1 && pairs <= MAX_PAIRS && n_experts >= 1 && n_experts <= MAX_EXPERTS, "the experts' tiles "
+              "take 1-", MAX_PAIRS, " (token, expert) pairs of 1-", MAX_EXPERTS, " experts, not ", pairs, " of ",
+              n_experts);
+}
+
+// The most (token, expert) pairs the experts' tiles take in one launch.
+int64_t nf4_expert_max_pairs() { return MAX_PAIRS; }
+
 // The experts' two stages on tiles (kernels/nf4_moe.py): x [T, H] bf16, experts [T * top_k] int32,
 // gate_up packed [E * 2I, H / 2] with absmax [E * 2I, H / 64] -> act [T * top_k, I] bf16; act,
 // experts, weights [T * top_k] float32, down packed [E * H, I / 2] with absmax [E * H, I / 64] ->
-// part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller).
+// part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller). The grid is
+// sized for one slot per pair (no two pairs share an expert), the most the slots can number.
 void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, torch::Tensor absmax,
                          torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks,
                          bool pdl) {
@@ -791,12 +919,14 @@ void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor p
                   pairs == x.size(0) * top_k && act.scalar_type() == torch::kBFloat16 && act.is_contiguous() &&
                   act.size(0) == pairs && inter % 8 == 0 && packed.size(0) % (2 * inter) == 0,
               "x [T, H] bf16, experts [T * top_k] int32, act [T * top_k, I] bf16, gate/up rows 2I per expert");
+  check_pairs(pairs, packed.size(0) / (2 * inter));
   const c10::cuda::CUDAGuard guard(x.device());
   const ExpertGateUpTiles work{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), experts.data_ptr<int>(),
                                packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
                                reinterpret_cast<__nv_bfloat16*>(act.data_ptr()), pairs, static_cast<int>(top_k), inter,
                                static_cast<int>(x.stride(0)), static_cast<int>(packed.stride(0)),
-                               static_cast<int>(absmax.stride(0)), static_cast<int>(x.size(1) / 64)};
+                               static_cast<int>(absmax.stride(0)), static_cast<int>(x.size(1) / 64),
+                               static_cast<int>(packed.size(0) / (2 * inter)), {}};
   launch_tiles(nf4_expert_gate_up_kernel, static_cast<int64_t>(pairs) * (inter / 8), warps, blocks, x.device(),
                c10::cuda::getCurrentCUDAStream(), pdl, work, code.data_ptr<float>());
 }
@@ -812,11 +942,13 @@ void nf4_experts_down(torch::Tensor act, torch::Tensor experts, torch::Tensor we
                   part.scalar_type() == torch::kFloat && part.is_contiguous() && part.size(0) == pairs &&
                   hidden % 16 == 0 && packed.size(0) % hidden == 0,
               "act [P, I] bf16, experts [P] int32, weights [P] float32, part [P, H] float32, down rows H per expert");
+  check_pairs(pairs, packed.size(0) / hidden);
   const c10::cuda::CUDAGuard guard(act.device());
   const ExpertDownTiles work{reinterpret_cast<const __nv_bfloat16*>(act.data_ptr()), experts.data_ptr<int>(),
                              weights.data_ptr<float>(), packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
                              part.data_ptr<float>(), pairs, hidden, inter, static_cast<int>(packed.stride(0)),
-                             static_cast<int>(absmax.stride(0)), inter / 64};
+                             static_cast<int>(absmax.stride(0)), inter / 64,
+                             static_cast<int>(packed.size(0) / hidden), {}};
   launch_tiles(nf4_expert_down_kernel, static_cast<int64_t>(pairs) * (hidden / 16), warps, blocks, act.device(),
                c10::cuda::getCurrentCUDAStream(), pdl, work, code.data_ptr<float>());
 }
