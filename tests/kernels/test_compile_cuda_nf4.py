@@ -80,17 +80,16 @@ def _loops(text: str) -> list[collections.Counter]:
 
 @pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernel", "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
 def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_per_load(built, kernel):
-    """The tensor-core tile kernels' K loop (dense, and the experts' two stages), one group of 64
-    columns per iteration: the weights come from the warp's ring in shared memory (two 8-byte reads
-    per lane), refilled by asynchronous copies past L1 (one 16-byte copy per lane and one of the
-    absmax), one wait on the copies in flight per group and no global load but x's two vectors (and,
-    for the experts, the expert id of the next item the copies move to, with its slot of pairs);
-    each byte's two codes by
-    one byte permute (the table address) and one shared-memory load, four per mma of 16 x 16
-    weights; no spills or local memory. The loop holds the copies' move to the next work item (a
-    division by the items per tile, taken once per item), so its budget is 5 instructions per weight
-    a lane multiplies, all paths counted; the loop over work items around it has no local memory
-    either."""
+    """The tensor-core tile kernels' K loop (dense, and the experts' two stages), one ring stage of
+    two groups of 64 columns per iteration: the weights come from the warp's ring in shared memory
+    (four 8-byte reads per lane, and two of the absmax), refilled by asynchronous copies past L1
+    (two 16-byte copies per lane and one of the absmax), one wait on the copies in flight per stage
+    and no global load but x's four vectors (and, for the experts, the expert id of the next item
+    the copies move to, with its slot of pairs); each byte's two codes by one byte permute (the
+    table address) and one shared-memory load, four per mma of 16 x 16 weights; no spills or local
+    memory. The loop holds the copies' move to the next work item (a division by the items per tile,
+    taken once per item), so its budget is 3.5 instructions per weight a lane multiplies, all paths
+    counted; the loop over work items around it has no local memory either."""
     log, sass = built
     assert re.search(kernel, log)
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(rf"\s*\.text\.\S*{kernel}", p))
@@ -98,12 +97,12 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     assert len(loops) == 2, loops  # the K loop, inside the loop over work items
     inner = loops[0]
     mmas = inner["HMMA.16816"]
-    assert mmas == 4 and inner["PRMT"] == 4 * mmas and inner["LDS"] >= 4 * mmas, inner
-    assert inner["LDS.64"] == 2 and inner["LDGSTS.E"] == 2 and inner["LDGDEPBAR"] == 1 and inner["DEPBAR.LE"] == 1
-    assert inner["LDG.E"] == (2 if kernel == "nf4_gemv_table_kernel" else 3), inner
+    assert mmas == 8 and inner["PRMT"] == 4 * mmas and inner["LDS"] >= 4 * mmas, inner
+    assert inner["LDS.64"] == 6 and inner["LDGSTS.E"] == 3 and inner["LDGDEPBAR"] == 1 and inner["DEPBAR.LE"] == 1
+    assert inner["LDG.E"] == (4 if kernel == "nf4_gemv_table_kernel" else 5), inner
     assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
-    assert sum(inner.values()) <= 5 * weights, sum(inner.values()) / weights
+    assert sum(inner.values()) <= 3.5 * weights, sum(inner.values()) / weights
 
 
 def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its_copies(built):

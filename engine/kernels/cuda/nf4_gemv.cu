@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <array>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -225,20 +226,54 @@ __global__ void __launch_bounds__(256) nf4_gemv_persistent_kernel(
 // group's absmax. The codes are rounded to bf16 in the table, as the kernels of kernels/nf4.py that
 // multiply on tensor cores round them.
 //
-// The weights reach a warp through a ring of RING_STAGES groups in shared memory, filled by
-// asynchronous copies (cp.async, past L1) that run RING_STAGES - 1 groups ahead of the products
+// The weights reach a warp through a ring of RING_STAGES stages in shared memory, filled by
+// asynchronous copies (cp.async, past L1) that run RING_STAGES - 1 stages ahead of the products
 // along the warp's whole sequence of work items, so that many loads are in flight with few
-// registers; a group's stage is its 16 rows' 32 bytes, then their 16 absmax. x is read at its
+// registers. A stage holds two groups of the tile (its 16 rows' 64 bytes, then their 32 absmax,
+// each row's two side by side); the products of a stage look up both groups' codes before the
+// first mma, so that a warp has 32 lookups in flight. An item of an odd number of groups ends on
+// a stage of one: its second group is not copied, and is multiplied as a repeat of the first
+// group's x with an absmax of 0 (the ring's stale bytes look up finite codes). x is read at its
 // product (from L1: the weights do not pass through it).
 constexpr int TABLE_BYTES = 256 * 256;
-constexpr int TABLE_SMEM = 2 * TABLE_BYTES;  // holds the table from the first 64 KiB boundary past the block's base
 constexpr int RING_STAGES = 6;
-constexpr int STAGE_BYTES = 16 * 32 + 16 * 4;
-constexpr int SCRATCH_BYTES = 16 * 1024;  // a Work's own shared memory (run_tiles)
-static_assert(2 * SCRATCH_BYTES <= TABLE_BYTES, "the table's region leaves the scratch free on one side");
+constexpr int STAGE_GROUPS = 2;
+constexpr int STAGE_BYTES = STAGE_GROUPS * (16 * 32 + 16 * 4);
+constexpr int STAGE_SCALES = STAGE_GROUPS * 16 * 32;  // the absmax's offset in a stage
+constexpr int RING_BYTES = RING_STAGES * STAGE_BYTES;
+constexpr int SCRATCH_BYTES = 8 * 1024;  // the experts' own shared memory (PairSlots)
 
-// A block's shared memory: the table, then each warp's ring
-constexpr int tile_smem(int warps) { return TABLE_SMEM + warps * RING_STAGES * STAGE_BYTES; }
+// Where a block's shared memory holds what, as offsets from its base, given `pad` (the bytes from
+// the base to the table, which starts at a 64 KiB boundary of the shared window): the scratch
+// (`scratch` bytes) and then as many warps' rings as fit go before the table, the rest after it.
+// `end`: the bytes the block uses. The launcher allocates the most `end` any pad needs
+// (tile_smem); the kernel lays out its own pad the same way.
+struct TileLayout {
+  uint32_t scratch, rings_before, before, rings_after, end;
+  __host__ __device__ constexpr uint32_t ring(uint32_t warp) const {
+    return warp < before ? rings_before + warp * RING_BYTES : rings_after + (warp - before) * RING_BYTES;
+  }
+};
+
+__host__ __device__ constexpr TileLayout tile_layout(uint32_t pad, uint32_t warps, uint32_t scratch) {
+  const bool scratch_before = scratch <= pad;
+  const uint32_t free_before = scratch_before ? pad - scratch : pad;
+  const uint32_t before = free_before / RING_BYTES < warps ? free_before / RING_BYTES : warps;
+  const uint32_t after = pad + TABLE_BYTES, rings_end = after + (warps - before) * RING_BYTES;
+  return {scratch_before ? 0u : rings_end, scratch_before ? scratch : 0u, before, after,
+          rings_end + (scratch_before ? 0u : scratch)};
+}
+
+// A block's shared memory for `warps` warps' tiles with `scratch` bytes of a Work's own: the most
+// any alignment of the base needs
+constexpr int tile_smem(int warps, int scratch = 0) {
+  uint32_t most = 0;
+  for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
+    const uint32_t end = tile_layout(pad, warps, scratch).end;
+    most = end > most ? end : most;
+  }
+  return static_cast<int>(most);
+}
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
@@ -281,9 +316,9 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// A warp's work item on the tiles, as one lane holds it: the bytes it copies (tile row lane / 2, the
-// 16-byte half lane % 2 of group 0), the absmax it copies (lanes 0-15: tile row lane's, at group
-// 0), its x row (the mma's column lane / 4, its 16 columns of group 0), and the item's groups
+// A warp's work item on the tiles, as one lane holds it: the bytes and the absmax it copies (tile
+// row lane / 2, of the stage's group lane % 2: 32 bytes at group 0 of the item's K, and one
+// absmax), its x row (the mma's column lane / 4, its 16 columns of group 0), and the item's groups
 // [g_lo, g_hi) of K.
 struct TileItem {
   const uint8_t* src;
@@ -297,8 +332,8 @@ struct TileItem {
 template <class Row>
 __device__ __forceinline__ TileItem tile_item(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
                                               Row row, const __nv_bfloat16* xr, int g_lo, int g_hi) {
-  const int lane = threadIdx.x & 31;
-  return {packed + (size_t)row(lane >> 1) * stride_p + 16 * (lane & 1), absmax + (size_t)row(lane & 15) * stride_s,
+  const int lane = threadIdx.x & 31, r = row(lane >> 1);
+  return {packed + (size_t)r * stride_p + 32 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
           reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi};
 }
 
@@ -335,29 +370,50 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-// acc += the group's products x their absmax: acc[0], acc[1] for the lane's first weight row
-// against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second; the group's
-// four products in two chains of two, so that the tensor cores take two at once. MODE 1 (time
-// without the lookups): the packed words themselves as the A fragments.
+// A group's four mma A fragments per step: the codes of bytes 2s and 2s + 1 of each of the lane's
+// two rows (MODE 1, time without the lookups: the packed words themselves)
 template <int MODE>
-__device__ __forceinline__ void tile_products(const TileStep& st, uint32_t lane_addr, float (&acc)[4]) {
-  const uint32_t xw[8] = {st.x0.x, st.x0.y, st.x0.z, st.x0.w, st.x1.x, st.x1.y, st.x1.z, st.x1.w};
-  float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+__device__ __forceinline__ void group_codes(const TileStep& st, uint32_t lane_addr, uint32_t (&f)[4][4]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t wa = s < 2 ? st.a.x : st.a.y, wb = s < 2 ? st.b.x : st.b.y;
     const uint32_t lo = (2 * s) & 3, hi = (2 * s + 1) & 3;
     if (MODE == 1) {
-      mma_bf16(c[s & 1], wa, wb, wa ^ wb, wa + wb, xw[2 * s], xw[2 * s + 1]);
-      continue;
+      f[s][0] = wa, f[s][1] = wb, f[s][2] = wa ^ wb, f[s][3] = wa + wb;
+    } else {
+      f[s][0] = pair_codes(wa, lane_addr, lo), f[s][1] = pair_codes(wb, lane_addr, lo);
+      f[s][2] = pair_codes(wa, lane_addr, hi), f[s][3] = pair_codes(wb, lane_addr, hi);
     }
-    mma_bf16(c[s & 1], pair_codes(wa, lane_addr, lo), pair_codes(wb, lane_addr, lo), pair_codes(wa, lane_addr, hi),
-             pair_codes(wb, lane_addr, hi), xw[2 * s], xw[2 * s + 1]);
   }
-  acc[0] = fmaf(c[0][0] + c[1][0], st.sa, acc[0]);
-  acc[1] = fmaf(c[0][1] + c[1][1], st.sa, acc[1]);
-  acc[2] = fmaf(c[0][2] + c[1][2], st.sb, acc[2]);
-  acc[3] = fmaf(c[0][3] + c[1][3], st.sb, acc[3]);
+}
+
+// acc += a stage's two groups' products x their absmax: acc[0], acc[1] for the lane's first
+// weight row against x rows 2t and 2t + 1 (the mma's columns), acc[2], acc[3] for its second. All
+// 32 lookups are issued before the first mma; each group's four products go in two chains of two,
+// so that the tensor cores take four at once.
+template <int MODE>
+__device__ __forceinline__ void stage_products(const TileStep (&st)[STAGE_GROUPS], uint32_t lane_addr,
+                                               float (&acc)[4]) {
+  uint32_t f[STAGE_GROUPS][4][4];
+#pragma unroll
+  for (int h = 0; h < STAGE_GROUPS; ++h) group_codes<MODE>(st[h], lane_addr, f[h]);
+  float c[STAGE_GROUPS][2][4] = {};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int h = 0; h < STAGE_GROUPS; ++h) {
+      const uint32_t xw[8] = {st[h].x0.x, st[h].x0.y, st[h].x0.z, st[h].x0.w,
+                              st[h].x1.x, st[h].x1.y, st[h].x1.z, st[h].x1.w};
+      mma_bf16(c[h][s & 1], f[h][s][0], f[h][s][1], f[h][s][2], f[h][s][3], xw[2 * s], xw[2 * s + 1]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < STAGE_GROUPS; ++h) {
+    acc[0] = fmaf(c[h][0][0] + c[h][1][0], st[h].sa, acc[0]);
+    acc[1] = fmaf(c[h][0][1] + c[h][1][1], st[h].sa, acc[1]);
+    acc[2] = fmaf(c[h][0][2] + c[h][1][2], st[h].sb, acc[2]);
+    acc[3] = fmaf(c[h][0][3] + c[h][1][3], st[h].sb, acc[3]);
+  }
 }
 
 // Where a warp's copies stand in its sequence of work items (item, item + warps in grid, ...): the
@@ -378,21 +434,25 @@ struct CopyCursor {
   }
 };
 
-// Copies the cursor's group into the ring stage at `stage` (shared address), one copy group per call
-// (empty past the warp's last item, so that the count of groups in flight stays fixed), and moves
-// the cursor on. MODE 2 (time without the weight loads) copies nothing; MODE 3 (the product) has
-// L2 fetch each row's 128 bytes around its copy, four groups of it.
+// Copies the cursor's next stage (its item's next two groups, or the last one) into the ring stage
+// at `stage` (shared address), one copy group per call (empty past the warp's last item, so that
+// the count of groups in flight stays fixed), and moves the cursor on: lane l copies tile row l / 2's
+// 32 bytes and absmax of the stage's group l % 2. MODE 2 (time without the weight loads) copies
+// nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies.
 template <int MODE, class Work>
 __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
   const int lane = threadIdx.x & 31;
   if (cur.item < items) {
-    if (MODE != 2) {
-      copy_async16<MODE == 3>(stage + 16 * lane, cur.src);
-      if (lane < 16) copy_async4(stage + 16 * 32 + 4 * lane, cur.scales);
+    if (MODE != 2 && (lane & 1) < cur.left) {
+      const uint32_t dst = stage + 32 * lane;
+      copy_async16<MODE == 3>(dst, cur.src);
+      copy_async16<MODE == 3>(dst + 16, cur.src + 16);
+      copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
     }
-    cur.src += 32;
-    cur.scales += 1;
-    if (--cur.left == 0) {
+    cur.src += 32 * STAGE_GROUPS;
+    cur.scales += STAGE_GROUPS;
+    cur.left -= STAGE_GROUPS;
+    if (cur.left <= 0) {
       cur.item += warps;
       cur.start(work, items);
     }
@@ -405,18 +465,16 @@ __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int
 // issued before it too; warp w of block b takes work items w x blocks + b, then each one the grid's
 // warps further, of `work` (`count`, `item(i)`: its TileItem, and `store(i, acc)`), so that fewer
 // items than warps still spread over every block (every SM). After the PDL wait the block's
-// threads call `work.prepare(scratch)` together (SCRATCH_BYTES of shared memory, in the part of
-// the table's region the table leaves free) before the first item is read; a Work whose rows come
-// before the wait has nothing to prepare.
+// threads call `work.prepare(scratch)` together (Work::kScratch bytes of shared memory) before the
+// first item is read; a Work whose rows come before the wait has nothing to prepare.
 template <int MODE, class Work>
 __device__ __forceinline__ void run_tiles(const Work& params, const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
   uint32_t* table = smem_words + (table_addr - base) / 4;
-  // the table's region holds TABLE_BYTES free before the table and after it together
-  const uint32_t pad = table_addr - base;
-  uint8_t* scratch = reinterpret_cast<uint8_t*>(smem_words) + (pad >= SCRATCH_BYTES ? 0 : pad + TABLE_BYTES);
+  const TileLayout layout = tile_layout(table_addr - base, blockDim.x >> 5, Work::kScratch);
+  uint8_t* smem_bytes = reinterpret_cast<uint8_t*>(smem_words);
   Work work = params;
   // thread v makes entry v (its two loads in flight together) and writes its 32 copies, copy
   // (v + j) % 32 at step j, so that a warp's stores fall on 32 banks
@@ -425,59 +483,71 @@ __device__ __forceinline__ void run_tiles(const Work& params, const float* __res
 #pragma unroll 8
     for (int j = 0; j < 32; ++j) table[v * 64 + ((v + j) & 31)] = pair;
   }
-  constexpr int RING_BYTES = RING_STAGES * STAGE_BYTES;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t lane_addr = table_addr | lane * 4u;
-  const uint32_t ring = base + TABLE_SMEM + warp * RING_BYTES;  // shared address, for the copies
-  const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + TABLE_SMEM + warp * RING_BYTES;
-  int items = Work::kPrepares ? 0 : work.count();
+  const uint32_t ring = base + layout.ring(warp);  // shared address, for the copies
+  const uint8_t* ring_bytes = smem_bytes + layout.ring(warp);
+  int items = Work::kScratch ? 0 : work.count();
   const int warps = (gridDim.x * blockDim.x) >> 5;
   int item = warp * gridDim.x + blockIdx.x;
   CopyCursor cur{item, 0, nullptr, nullptr};
-  auto fill_ring = [&] {  // the first RING_STAGES - 1 groups of the warp's items
+  auto fill_ring = [&] {  // the first RING_STAGES - 1 stages of the warp's items
     cur.start(work, items);
 #pragma unroll
     for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
   };
-  static_assert(!(Work::kRowsBeforeWait && Work::kPrepares), "rows read before the wait need no preparation");
+  static_assert(!(Work::kRowsBeforeWait && Work::kScratch), "rows read before the wait need no preparation");
   if (Work::kRowsBeforeWait) fill_ring();
   __syncthreads();  // the table
   pdl_enter();
-  if (Work::kPrepares) {
-    work.prepare(scratch);
+  if (Work::kScratch) {
+    work.prepare(smem_bytes + layout.scratch);
     items = work.count();
   }
   if (!Work::kRowsBeforeWait) fill_ring();
   // the stage multiplied next (byte offset in the ring), and the one filled next, the stage before it
   int read = 0, fill = (RING_STAGES - 1) * STAGE_BYTES;
-  const int a_off = (lane >> 2) * 32 + 8 * (lane & 3), s_off = 16 * 32 + 4 * (lane >> 2);
+  // the lane's bytes in a stage: its rows' (groupID, groupID + 8) 8 bytes 8t .. 8t + 7 of each group,
+  // and their absmax (each row's two side by side)
+  const int a_off = (lane >> 2) * 64 + 8 * (lane & 3), s_off = STAGE_SCALES + 8 * (lane >> 2);
   for (; item < items; item += warps) {
     const TileItem it = work.item(item);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const uint4* xp = it.xrow + 8 * it.g_lo;
-    for (int g = it.g_lo; g < it.g_hi; ++g, xp += 8) {
-      wait_copies<RING_STAGES - 2>();  // this group's copies, then every lane's (below)
+    for (int g = it.g_lo; g < it.g_hi; g += STAGE_GROUPS, xp += 8 * STAGE_GROUPS) {
+      wait_copies<RING_STAGES - 2>();  // this stage's copies, then every lane's (below)
       __syncwarp();
-      TileStep st;
+      const bool second = g + 1 < it.g_hi;  // the stage's second group is the item's
+      TileStep st[STAGE_GROUPS];
       if (MODE == 2) {
         const uint32_t h = (uint32_t)g * 0x9e3779b9u ^ (uint32_t)(uintptr_t)xp;
-        st.a = make_uint2(h, h * 3u);
-        st.b = make_uint2(h ^ 0x5bd1e995u, h + 0x7f4a7c15u);
-        st.sa = st.sb = 1.f;
+        st[0].a = make_uint2(h, h * 3u);
+        st[0].b = make_uint2(h ^ 0x5bd1e995u, h + 0x7f4a7c15u);
+        st[1].a = make_uint2(h * 5u, h ^ 0x2545f491u);
+        st[1].b = make_uint2(h + 0x6c8e9cf5u, h * 7u);
+        st[0].sa = st[0].sb = 1.f;
+        st[1].sa = st[1].sb = second ? 1.f : 0.f;
       } else {
         const uint8_t* stage = ring_bytes + read;
-        st.a = *reinterpret_cast<const uint2*>(stage + a_off);
-        st.b = *reinterpret_cast<const uint2*>(stage + a_off + 8 * 32);
-        st.sa = *reinterpret_cast<const float*>(stage + s_off);
-        st.sb = *reinterpret_cast<const float*>(stage + s_off + 8 * 4);
+        st[0].a = *reinterpret_cast<const uint2*>(stage + a_off);
+        st[0].b = *reinterpret_cast<const uint2*>(stage + a_off + 8 * 64);
+        st[1].a = *reinterpret_cast<const uint2*>(stage + a_off + 32);
+        st[1].b = *reinterpret_cast<const uint2*>(stage + a_off + 8 * 64 + 32);
+        const float2 sa = *reinterpret_cast<const float2*>(stage + s_off);
+        const float2 sb = *reinterpret_cast<const float2*>(stage + s_off + 8 * 8);
+        st[0].sa = sa.x, st[0].sb = sb.x;
+        st[1].sa = second ? sa.y : 0.f, st[1].sb = second ? sb.y : 0.f;
       }
-      st.x0 = load_x(xp);
-      st.x1 = load_x(xp + 1);
+      st[0].x0 = load_x(xp);
+      st[0].x1 = load_x(xp + 1);
+      const uint4* xq = second ? xp + 8 : xp;
+      st[1].x0 = load_x(xq);
+      st[1].x1 = load_x(xq + 1);
       // the stage before this one was read by every lane before the barrier above: refill it
       copy_next<MODE>(work, cur, items, warps, ring + fill);
       fill = read;
       read = read == RING_BYTES - STAGE_BYTES ? 0 : read + STAGE_BYTES;
-      tile_products<MODE>(st, lane_addr, acc);
+      stage_products<MODE>(st, lane_addr, acc);
     }
     work.store(item, acc);
   }
@@ -494,7 +564,8 @@ struct DenseTiles {
   float* partial;  // [splits, M, N] float32 where K is split
   __nv_bfloat16* y;
   int n, m, stride_x, stride_p, stride_s, groups, groups_per_split, splits;
-  static constexpr bool kRowsBeforeWait = true, kPrepares = false;
+  static constexpr bool kRowsBeforeWait = true;
+  static constexpr int kScratch = 0;
   __device__ void prepare(uint8_t*) {}
 
   __device__ int count() const { return (n + 15) / 16 * splits; }
@@ -535,7 +606,7 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles
 // pairs of one expert, a tile's 8 columns, so that an expert's weights are read once for up to 8
 // of its tokens. Every block builds the same slots. Ids outside [0, E) (a router gives none) are
 // clamped, so that none reaches outside the scratch.
-constexpr int MAX_EXPERTS = 1024, MAX_PAIRS = 1024, MAX_SLOT_PAIRS = 8;
+constexpr int MAX_EXPERTS = 512, MAX_PAIRS = 512, MAX_SLOT_PAIRS = 8;
 
 struct PairSlots {
   const uint16_t* order;  // [P] position -> pair
@@ -628,7 +699,8 @@ struct ExpertGateUpTiles {
   __nv_bfloat16* act;  // [T * top_k, I]
   int pairs, top_k, inter, stride_x, stride_p, stride_s, groups, n_experts;
   PairSlots slots;
-  static constexpr bool kRowsBeforeWait = false, kPrepares = true;
+  static constexpr bool kRowsBeforeWait = false;
+  static constexpr int kScratch = SCRATCH_BYTES;
 
   __device__ void prepare(uint8_t* scratch) { slots.build(experts, pairs, n_experts, scratch); }
   __device__ int count() const { return slots.slots * (inter / 8); }
@@ -668,7 +740,8 @@ struct ExpertDownTiles {
   float* part;  // [pairs, H]
   int pairs, hidden, inter, stride_p, stride_s, groups, n_experts;
   PairSlots slots;
-  static constexpr bool kRowsBeforeWait = false, kPrepares = true;
+  static constexpr bool kRowsBeforeWait = false;
+  static constexpr int kScratch = SCRATCH_BYTES;
 
   __device__ void prepare(uint8_t* scratch) { slots.build(experts, pairs, n_experts, scratch); }
   __device__ int count() const { return slots.slots * (hidden / 16); }
@@ -778,15 +851,23 @@ void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, cons
               "an NF4 weight: packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32, K a multiple of 64");
 }
 
-// A tile kernel (one block per SM at most, `warps` warps each: the table and their rings) for `items`
-// work items, with its opt-in to more than 48 KiB of dynamic shared memory made once per kernel and
-// device (the kernels of one work type, e.g. a product and its measurement variants, each opt in).
+static_assert(tile_smem(16, SCRATCH_BYTES) <= 227 * 1024,
+              "the table, 16 warps' rings and the scratch fit one block's shared memory (Hopper)");
+
+// A tile kernel (one block per SM at most, `warps` warps each: the table, their rings and the Work's
+// scratch) for `items` work items, with its opt-in to more than 48 KiB of dynamic shared memory made
+// once per kernel and device (the kernels of one work type, e.g. a product and its measurement
+// variants, each opt in).
 template <class Work>
 void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64_t warps, int64_t blocks,
                   const torch::Device& device, cudaStream_t stream, bool pdl, const Work& work, const float* code) {
   TORCH_CHECK(blocks > 0 && warps >= 1 && warps <= 16, "tiles on tensor cores: 1-16 warps in 1 or more blocks");
-  static_assert(tile_smem(16) <= 227 * 1024, "the table and 16 warps' rings fit one block's shared memory (Hopper)");
-  const int smem = tile_smem(static_cast<int>(warps));
+  static const std::array<int, 17> smem_for = [] {  // by warps (tile_smem scans every alignment)
+    std::array<int, 17> t{};
+    for (int w = 1; w <= 16; ++w) t[w] = tile_smem(w, Work::kScratch);
+    return t;
+  }();
+  const int smem = smem_for[warps];
   {
     static std::mutex mutex;
     static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
@@ -796,7 +877,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
       int optin = 0;
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          std::min(optin, tile_smem(16))));
+                                          std::min(optin, smem_for[16])));
       opted_in.insert(key);
     }
   }
@@ -814,7 +895,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
-// `blocks` blocks (one per SM at most: the table takes 128 KiB of shared memory and each warp's ring 3.4 KiB), `split` 0 for the
+// `blocks` blocks (one per SM at most: the table takes 64 KiB of shared memory at a 64 KiB boundary and each warp's ring 6.75 KiB), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
@@ -891,8 +972,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   }
 }
 
-// Shared memory per block of tiles of `warps` warps (the table and their rings).
-int64_t nf4_tile_shared_bytes(int64_t warps) { return tile_smem(static_cast<int>(warps)); }
+// Shared memory per block of tiles of `warps` warps, the most any tile kernel takes (the experts'
+// with their scratch).
+int64_t nf4_tile_shared_bytes(int64_t warps) { return tile_smem(static_cast<int>(warps), SCRATCH_BYTES); }
 
 // The pairs and experts a block's slots hold (PairSlots)
 void check_pairs(int64_t pairs, int64_t n_experts) {
