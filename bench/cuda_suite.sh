@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-4b|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -19,6 +19,10 @@ run_tests() {
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py tests/equivalence/test_cuda_nf4.py \
     tests/equivalence/test_cuda_sampling.py -s 2>&1 \
     | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
+}
+# into this tree (after) or BEFORE's (before), each with its own extension build
+stage_side() {
+  if [ "$1" = before ]; then cd "$BEFORE" && export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-before"; fi
 }
 case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
@@ -112,6 +116,41 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       (cd "$dir" && TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-$name" timeout 280 python3 -m bench.nf4_cuda \
         --shape gemma3-4b --rows 1 8 --out "$out/before-$name" 2>&1 | tee "$out/nf4-cuda-stream-before-$name.log" \
         | grep -v disagrees)
+    done ;;
+  nf4-stage)  # the tiles' two-group ring stages and the experts' pairs grouped by expert: the
+    # extensions of this tree and of BEFORE (an earlier tree) built side by side, the NF4 GPU tests,
+    # the 26B-A4B experts' two stages at 1 and 8 tokens on both trees, then every launch at 1 and 8
+    # rows on this tree (BEFORE's in nf4-stage-throughput), into after/ and before/
+    out=$(cd "$OUT" && pwd)
+    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)" &
+    (cd "$BEFORE" && TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-before" python3 -c \
+      "from engine.kernels import nf4_cuda; print('BEFORE: CUDA NF4 kernel built:', nf4_cuda.extension() is not None)")
+    wait
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row or plans or experts_match or experts_plan or greedy_tokens" 2>&1 \
+      | tee "$OUT/cuda-tests-nf4-stage.log" | grep -v "^\.$" | grep -E "passed|failed|Error|error|nf4 experts|greedy|plan" | tail -20
+    for side in after before; do
+      (stage_side $side && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows \
+        --out "$out/$side" --tag stage-$side-experts 2>&1 | tee "$out/tune-stage-$side.log" | tail -7)
+    done
+    timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/after" 2>&1 \
+      | tee "$out/nf4-cuda-stage-after.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40 ;;
+  nf4-stage-throughput)  # BEFORE's launches at 1 and 8 rows, then 4-bit decode of the 26B-A4B shape,
+    # this tree then BEFORE, same machine
+    out=$(cd "$OUT" && pwd)
+    (stage_side before && timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/before" 2>&1 \
+      | tee "$out/nf4-cuda-stage-before.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40)
+    for side in after before; do
+      (stage_side $side && timeout 200 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
+        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
+        | tee "$out/throughput-26b-stage-$side.log" | tail -6)
+    done ;;
+  nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
+    out=$(cd "$OUT" && pwd)
+    for side in after before; do
+      (stage_side $side && timeout 170 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 \
+        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
+        | tee "$out/throughput-4b-stage-$side.log" | tail -6)
     done ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
