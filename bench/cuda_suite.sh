@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-4b|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -144,6 +144,25 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       (stage_side $side && timeout 200 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
         --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
         | tee "$out/throughput-26b-stage-$side.log" | tail -6)
+    done ;;
+  nf4-stage-check)  # after a change to the tiles: the extensions built side by side, the tiles' GPU
+    # tests, this tree's launches at 1 and 8 rows and experts' stages at 1 and 8 tokens, then 4-bit
+    # decode of the 26B-A4B shape on this tree and BEFORE, same machine
+    out=$(cd "$OUT" && pwd)
+    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)" &
+    (stage_side before && python3 -c "from engine.kernels import nf4_cuda; print('BEFORE built:', nf4_cuda.extension() is not None)")
+    wait
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+      -k "cuda_one_row or experts_match" 2>&1 | tee "$OUT/cuda-tests-nf4-stage-check.log" | grep -v "^\.$" \
+      | grep -E "passed|failed|Error|error|nf4 experts|nf4 cuda" | tail -12
+    timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/after" 2>&1 \
+      | tee "$out/nf4-cuda-stage-after.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40
+    timeout 80 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$out/after" \
+      --tag stage-after-experts 2>&1 | tee "$out/tune-stage-after.log" | tail -7
+    for side in after before; do
+      (stage_side $side && timeout 170 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
+        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
+        | tee "$out/throughput-26b-stage-$side.log" | tail -4)
     done ;;
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
     out=$(cd "$OUT" && pwd)

@@ -317,9 +317,9 @@ __device__ __forceinline__ void wait_copies() {
 }
 
 // A warp's work item on the tiles, as one lane holds it: the bytes and the absmax it copies (tile
-// row lane / 2, of the stage's group lane % 2: 32 bytes at group 0 of the item's K, and one
-// absmax), its x row (the mma's column lane / 4, its 16 columns of group 0), and the item's groups
-// [g_lo, g_hi) of K.
+// row lane / 2: the 16-byte half lane % 2 of each group's 32 bytes, at group 0 of the item's K,
+// and the absmax of the stage's group lane % 2), its x row (the mma's column lane / 4, its 16
+// columns of group 0), and the item's groups [g_lo, g_hi) of K.
 struct TileItem {
   const uint8_t* src;
   const float* scales;
@@ -333,7 +333,7 @@ template <class Row>
 __device__ __forceinline__ TileItem tile_item(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
                                               Row row, const __nv_bfloat16* xr, int g_lo, int g_hi) {
   const int lane = threadIdx.x & 31, r = row(lane >> 1);
-  return {packed + (size_t)r * stride_p + 32 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
+  return {packed + (size_t)r * stride_p + 16 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
           reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi};
 }
 
@@ -436,18 +436,19 @@ struct CopyCursor {
 
 // Copies the cursor's next stage (its item's next two groups, or the last one) into the ring stage
 // at `stage` (shared address), one copy group per call (empty past the warp's last item, so that
-// the count of groups in flight stays fixed), and moves the cursor on: lane l copies tile row l / 2's
-// 32 bytes and absmax of the stage's group l % 2. MODE 2 (time without the weight loads) copies
-// nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies.
+// the count of groups in flight stays fixed), and moves the cursor on: lane l copies the 16-byte
+// half l % 2 of tile row l / 2's 32 bytes of each group (each copy instruction thus reads whole
+// 32-byte sectors) and the absmax of the stage's group l % 2. MODE 2 (time without the weight
+// loads) copies nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies.
 template <int MODE, class Work>
 __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
   const int lane = threadIdx.x & 31;
   if (cur.item < items) {
-    if (MODE != 2 && (lane & 1) < cur.left) {
-      const uint32_t dst = stage + 32 * lane;
+    if (MODE != 2) {
+      const uint32_t dst = stage + 64 * (lane >> 1) + 16 * (lane & 1);
       copy_async16<MODE == 3>(dst, cur.src);
-      copy_async16<MODE == 3>(dst + 16, cur.src + 16);
-      copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
+      if (cur.left > 1) copy_async16<MODE == 3>(dst + 32, cur.src + 32);
+      if ((lane & 1) < cur.left) copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
     }
     cur.src += 32 * STAGE_GROUPS;
     cur.scales += STAGE_GROUPS;
