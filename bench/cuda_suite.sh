@@ -159,7 +159,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       | tee "$out/nf4-cuda-stage-after.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40
     timeout 80 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$out/after" \
       --tag stage-after-experts 2>&1 | tee "$out/tune-stage-after.log" | tail -7
-    for side in after before; do
+    for side in after before; do  # BEFORE where the run has time left for it (STAGE_BUDGET seconds in all)
+      [ $side = before ] && [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ] && { echo "no time left for BEFORE"; break; }
       (stage_side $side && timeout 170 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
         --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
         | tee "$out/throughput-26b-stage-$side.log" | tail -4)
