@@ -929,12 +929,14 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   if (rows == 16) {
     TORCH_CHECK(mode >= 0 && mode <= 3 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
     const int groups = k / 64, tiles = (n + 15) / 16;
-    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
-      // an item's own cost (its x row, its store) as two groups
+    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, in ring
+      // stages (a slice of an odd number of groups ends on a stage of one), counting an item's own
+      // cost (its x row, its store) as one stage
       const int64_t resident = blocks * warps;
       int64_t best = -1;
       for (int p = groups; p >= 1; --p) {
-        const int64_t s = (groups + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 2);
+        const int64_t s = (groups + p - 1) / p,
+                      cost = (tiles * s + resident - 1) / resident * ((p + STAGE_GROUPS - 1) / STAGE_GROUPS + 1);
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
