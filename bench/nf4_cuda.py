@@ -9,7 +9,8 @@ served from L2). The fastest three launches of each kind (FMAs, tiles) are timed
 stage left out (the source's MODE): without the lookups (the loads and the products on the raw
 words), and without the weight loads (the lookups and products on made-up words), so the
 differences say where the time goes; the fastest tile launches also with the weights' copies
-prefetching 128 bytes per row into L2 (MODE 3, the product).
+prefetching 128 bytes per row into L2 (MODE 3, the product) and with copies that read whole
+32-byte sectors (MODE 4, the product).
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
@@ -95,10 +96,12 @@ def main() -> None:
                 launch = r["launch"]
                 r["loads_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=1) for w in ws], len(ws))
                 r["lookups_only_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=2) for w in ws], len(ws))
-                if launch[0] == tile and nf4_plan.agrees(nf4_cuda.gemv(x, ws[0], launch, sms, mode=3), want):
-                    # the product with L2 fetching each row's 128 bytes around a copy
-                    r["l2_prefetch_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=3) for w in ws],
-                                                len(ws))
+                # the product with L2 fetching each row's 128 bytes around a copy (MODE 3), and with
+                # copies that read whole 32-byte sectors (MODE 4)
+                for mode, key in ((3, "l2_prefetch_us"), (4, "sector_copies_us")):
+                    if launch[0] == tile and nf4_plan.agrees(nf4_cuda.gemv(x, ws[0], launch, sms, mode=mode), want):
+                        r[key] = timed(lambda mode=mode: [nf4_cuda.gemv(x, w, launch, sms, mode=mode) for w in ws],
+                                       len(ws))
             best = results[0] if results else None
             floor_us = nbytes / bw * 1e6
             planned = min((r for r in plan if r >= m), default=None)
@@ -110,6 +113,7 @@ def main() -> None:
                 if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"
                 l2 = f"; with the L2 prefetch {r['l2_prefetch_us']:.1f}" if r.get("l2_prefetch_us") else ""
+                l2 += f"; whole-sector copies {r['sector_copies_us']:.1f}" if r.get("sector_copies_us") else ""
                 return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}{l2}"
 
             if best:

@@ -78,7 +78,7 @@ def _loops(text: str) -> list[collections.Counter]:
     return [collections.Counter(op.findall("\n".join(lines[a:b + 1]))) for a, b in spans]
 
 
-@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernel", "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
+@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernelILi0E", "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
 def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_per_load(built, kernel):
     """The tensor-core tile kernels' K loop (dense, and the experts' two stages), one ring stage of
     two groups of 64 columns per iteration: the weights come from the warp's ring in shared memory
@@ -99,7 +99,7 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     mmas = inner["HMMA.16816"]
     assert mmas == 8 and inner["PRMT"] == 4 * mmas and inner["LDS"] >= 4 * mmas, inner
     assert inner["LDS.64"] == 6 and inner["LDGSTS.E"] == 3 and inner["LDGDEPBAR"] == 1 and inner["DEPBAR.LE"] == 1
-    assert inner["LDG.E"] == (4 if kernel == "nf4_gemv_table_kernel" else 5), inner
+    assert inner["LDG.E"] == (4 if kernel.startswith("nf4_gemv_table_kernel") else 5), inner
     assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
     assert sum(inner.values()) <= 3.5 * weights, sum(inner.values()) / weights
@@ -111,10 +111,24 @@ def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its
     _, sass = built
     parts = {m.group(1): p for p in re.split(r"\n(?=\s*\.text\.)", sass)
              if (m := re.match(r"\s*\.text\.\S*nf4_gemv_table_kernelILi(\d)E", p))}
-    assert set(parts) == {"0", "3"}, sorted(parts)
+    assert set(parts) == {"0", "3", "4"}, sorted(parts)
     copies = {mode: re.findall(r"LDGSTS\.E\.BYPASS(\.LTC128B)?\.128", part) for mode, part in parts.items()}
     assert copies["0"] and not any(copies["0"]), copies["0"]
     assert copies["3"] and all(hint == ".LTC128B" for hint in copies["3"]), copies["3"]
     ops = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", re.M)
     strip = lambda part: collections.Counter(op.replace(".LTC128B", "") for op in ops.findall(part))
     assert strip(parts["0"]) == strip(parts["3"])
+
+
+def test_the_tiles_variant_with_whole_sector_copies_copies_the_same_bytes_per_stage(built):
+    """MODE 4 of the dense tiles (the product, timed by `bench.nf4_cuda` beside it): each stage's
+    copies are the product's, two 16-byte weight copies and one absmax copy per lane, past L1 and
+    without a prefetch hint; its K loop is the product's but for the copies' addresses."""
+    _, sass = built
+    part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass)
+                if re.match(r"\s*\.text\.\S*nf4_gemv_table_kernelILi4E", p))
+    inner = [c for c in _loops(part) if c["HMMA.16816"]][0]
+    assert inner["HMMA.16816"] == 8 and inner["PRMT"] == 32 and inner["LDS.64"] == 6, inner
+    assert inner["LDGSTS.E"] == 3 and inner["DEPBAR.LE"] == 1 and inner["LDG.E"] == 4, inner
+    copies = re.findall(r"LDGSTS\.E(\.BYPASS)?(\.LTC128B)?\.128", part)
+    assert copies and all(bypass and not hint for bypass, hint in copies), copies

@@ -63,7 +63,7 @@ struct Step {
 // MODE 0: the product. To place the time, two variants that leave one stage out (their output
 // is not the product): 1, the loads alone (each word's bits summed, no lookup); 2, the lookups
 // and products alone (the weight words made up from the chunk index, no weight load). The tiles
-// take a third, the product itself with another way of loading (3: below).
+// take two more, the product itself with other ways of loading (3 and 4: copy_next below).
 
 // Chunk c of rows row0 .. row0 + ROWS - 1 (rows past the last repeat it and are not stored); a
 // lane past the slice [c_lo, c_hi) reads chunk c_lo and scales it by zero.
@@ -317,9 +317,9 @@ __device__ __forceinline__ void wait_copies() {
 }
 
 // A warp's work item on the tiles, as one lane holds it: the bytes and the absmax it copies (tile
-// row lane / 2: the 16-byte half lane % 2 of each group's 32 bytes, at group 0 of the item's K,
-// and the absmax of the stage's group lane % 2), its x row (the mma's column lane / 4, its 16
-// columns of group 0), and the item's groups [g_lo, g_hi) of K.
+// row lane / 2, of the stage's group lane % 2: 32 bytes at group 0 of the item's K, and one
+// absmax), its x row (the mma's column lane / 4, its 16 columns of group 0), and the item's groups
+// [g_lo, g_hi) of K.
 struct TileItem {
   const uint8_t* src;
   const float* scales;
@@ -333,7 +333,7 @@ template <class Row>
 __device__ __forceinline__ TileItem tile_item(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
                                               Row row, const __nv_bfloat16* xr, int g_lo, int g_hi) {
   const int lane = threadIdx.x & 31, r = row(lane >> 1);
-  return {packed + (size_t)r * stride_p + 16 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
+  return {packed + (size_t)r * stride_p + 32 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
           reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi};
 }
 
@@ -436,19 +436,27 @@ struct CopyCursor {
 
 // Copies the cursor's next stage (its item's next two groups, or the last one) into the ring stage
 // at `stage` (shared address), one copy group per call (empty past the warp's last item, so that
-// the count of groups in flight stays fixed), and moves the cursor on: lane l copies the 16-byte
-// half l % 2 of tile row l / 2's 32 bytes of each group (each copy instruction thus reads whole
-// 32-byte sectors) and the absmax of the stage's group l % 2. MODE 2 (time without the weight
-// loads) copies nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies.
+// the count of groups in flight stays fixed), and moves the cursor on: lane l copies tile row l / 2's
+// 32 bytes and absmax of the stage's group l % 2 (so that each copy instruction reads half of every
+// 32-byte sector it touches, its neighbour lane's the other half). MODE 2 (time without the weight
+// loads) copies nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies;
+// MODE 4 (the product) has lane l copy the 16-byte half l % 2 of each of the stage's groups, so
+// that each copy instruction reads whole sectors.
 template <int MODE, class Work>
 __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
   const int lane = threadIdx.x & 31;
   if (cur.item < items) {
-    if (MODE != 2) {
+    if (MODE == 4) {
+      const uint8_t* src = cur.src - 16 * (lane & 1);  // the lane's half of the stage's first group
       const uint32_t dst = stage + 64 * (lane >> 1) + 16 * (lane & 1);
-      copy_async16<MODE == 3>(dst, cur.src);
-      if (cur.left > 1) copy_async16<MODE == 3>(dst + 32, cur.src + 32);
+      copy_async16(dst, src);
+      if (cur.left > 1) copy_async16(dst + 32, src + 32);
       if ((lane & 1) < cur.left) copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
+    } else if (MODE != 2 && (lane & 1) < cur.left) {
+      const uint32_t dst = stage + 32 * lane;
+      copy_async16<MODE == 3>(dst, cur.src);
+      copy_async16<MODE == 3>(dst + 16, cur.src + 16);
+      copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
     }
     cur.src += 32 * STAGE_GROUPS;
     cur.scales += STAGE_GROUPS;
@@ -801,6 +809,7 @@ template __global__ void nf4_gemv_persistent_kernel<2, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
+template __global__ void nf4_gemv_table_kernel<4>(const DenseTiles, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -898,7 +907,8 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table takes 64 KiB of shared memory at a 64 KiB boundary and each warp's ring 6.75 KiB), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
-// above; 3 (tiles) the product with L2 prefetching 128 bytes per copy. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
+// above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
+// copies that read whole sectors. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
@@ -927,16 +937,14 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode >= 0 && mode <= 3 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
+    TORCH_CHECK(mode >= 0 && mode <= 4 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
     const int groups = k / 64, tiles = (n + 15) / 16;
-    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, in ring
-      // stages (a slice of an odd number of groups ends on a stage of one), counting an item's own
-      // cost (its x row, its store) as one stage
+    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
+      // an item's own cost (its x row, its store) as two groups
       const int64_t resident = blocks * warps;
       int64_t best = -1;
       for (int p = groups; p >= 1; --p) {
-        const int64_t s = (groups + p - 1) / p,
-                      cost = (tiles * s + resident - 1) / resident * ((p + STAGE_GROUPS - 1) / STAGE_GROUPS + 1);
+        const int64_t s = (groups + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 2);
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
@@ -949,6 +957,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    else if (mode == 4) launch_tiles(nf4_gemv_table_kernel<4>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else launch_tiles(nf4_gemv_table_kernel<0>, items, warps, blocks, x.device(), stream, pdl, work, cp);
   } else {
     TORCH_CHECK(m == 1 && mode >= 0 && mode <= 2, "1-8 weight rows per warp take one row of x (modes 0-2)");
