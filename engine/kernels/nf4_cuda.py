@@ -58,14 +58,15 @@ def extension():
             "torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, "
             "int64_t blocks, bool pdl);\n"
             "int64_t nf4_tile_shared_bytes(int64_t warps);\n"
-            "int64_t nf4_expert_max_pairs();")
+            "int64_t nf4_expert_max_pairs();\n"
+            "int64_t nf4_expert_max_experts();")
     major, minor = torch.cuda.get_device_capability()
     log.info("loading the CUDA NF4 kernel (built on a machine's first start, then cached by torch)")
     try:
         return cpp_extension.load_inline(
             "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(),
             functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down", "nf4_tile_shared_bytes",
-                       "nf4_expert_max_pairs"],
+                       "nf4_expert_max_pairs", "nf4_expert_max_experts"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
         log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
@@ -129,15 +130,15 @@ EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1))
 def experts_fit(x: torch.Tensor, gate_up, down, launch: tuple[int, int] | None = None, top_k: int = 1) -> bool:
     """Whether the experts' tiles take these operands (in `launch`, where given: its warps' rings
     fit the GPU's shared memory): bf16 tokens whose rows are 16-byte aligned, on the weights' CUDA
-    device, H a multiple of 16 and I of 64 (kernels/nf4_moe.py's layout), at most the kernel's
-    pairs (T x top_k) and experts in one launch."""
+    device, H and I multiples of 64 (kernels/nf4_moe.py's layout; each is a weight's K), at most
+    the kernel's pairs (T x top_k) and experts in one launch."""
     hidden, inter = gate_up.shape[1], down.shape[1]
     warps = launch[0] if launch is not None else min(w for w, _ in EXPERT_LAUNCHES)
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1
-            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and hidden % 16 == 0 and inter % 64 == 0
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and hidden % 64 == 0 and inter % 64 == 0
             and tiles_supported(x.device.index, warps)
             and x.shape[0] * top_k <= extension().nf4_expert_max_pairs()
-            and gate_up.shape[0] // (2 * inter) <= extension().nf4_expert_max_pairs()
+            and gate_up.shape[0] // (2 * inter) <= extension().nf4_expert_max_experts()
             and gate_up.shape[0] % (2 * inter) == 0
             and down.shape[0] % hidden == 0 and _weight_fits(gate_up, x.device, hidden)
             and _weight_fits(down, x.device, inter))

@@ -613,8 +613,9 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles
 // builds them in its shared memory after the PDL wait (the experts are the router's output): the
 // pairs in order of expert (positions), each expert's in pair order, cut into slots of at most 8
 // pairs of one expert, a tile's 8 columns, so that an expert's weights are read once for up to 8
-// of its tokens. Every block builds the same slots. Ids outside [0, E) (a router gives none) are
-// clamped, so that none reaches outside the scratch.
+// of its tokens. Every block builds the same slots. The ids are the router's, in [0, E): the slots
+// clamp them, so that no id reaches outside the scratch, and the items read their expert's rows at
+// the id as given, as the Triton kernels do.
 constexpr int MAX_EXPERTS = 512, MAX_PAIRS = 512, MAX_SLOT_PAIRS = 8;
 
 struct PairSlots {
@@ -995,13 +996,14 @@ void check_pairs(int64_t pairs, int64_t n_experts) {
               n_experts);
 }
 
-// The most (token, expert) pairs the experts' tiles take in one launch.
+// The most (token, expert) pairs, and the most experts, the experts' tiles take in one launch.
 int64_t nf4_expert_max_pairs() { return MAX_PAIRS; }
+int64_t nf4_expert_max_experts() { return MAX_EXPERTS; }
 
 // The experts' two stages on tiles (kernels/nf4_moe.py): x [T, H] bf16, experts [T * top_k] int32,
 // gate_up packed [E * 2I, H / 2] with absmax [E * 2I, H / 64] -> act [T * top_k, I] bf16; act,
 // experts, weights [T * top_k] float32, down packed [E * H, I / 2] with absmax [E * H, I / 64] ->
-// part [T * top_k, H] float32. H a multiple of 16, I of 64 (checked by the caller). The grid is
+// part [T * top_k, H] float32. H and I multiples of 64 (checked by the caller). The grid is
 // sized for one slot per pair (no two pairs share an expert), the most the slots can number.
 void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, torch::Tensor absmax,
                          torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, int64_t blocks,
