@@ -132,3 +132,45 @@ def test_the_tiles_variant_with_whole_sector_copies_copies_the_same_bytes_per_st
     assert inner["LDGSTS.E"] == 3 and inner["DEPBAR.LE"] == 1 and inner["LDG.E"] == 4, inner
     copies = re.findall(r"LDGSTS\.E(\.BYPASS)?(\.LTC128B)?\.128", part)
     assert copies and all(bypass and not hint for bypass, hint in copies), copies
+
+
+def test_the_tiles_shared_memory_layout_holds_every_alignment_of_the_base(tmp_path):
+    """The tiles' layout (tile_layout, tile_smem), run on the host: for every 16-byte aligned
+    distance from the block's base to the table's 64 KiB boundary, 1-16 warps, with and without
+    the experts' scratch, the table, the scratch and each warp's ring are 16-byte aligned, overlap
+    nothing, and end within the bytes the launcher allocates; and 16 warps with the scratch fit
+    Hopper's 227 KiB."""
+    if NVCC is None or not os.path.exists(NVCC):
+        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels (nf4_cuda.extension)")
+    src = tmp_path / "layout.cu"
+    src.write_text(f'#define NF4_KERNELS_ONLY\n#include "{nf4_cuda.SOURCE}"\n' + r'''
+#include <cstdio>
+int main() {
+  int bad = 0;
+  for (int scratch : {0, SCRATCH_BYTES}) {
+    for (int warps = 1; warps <= 16; ++warps) {
+      const uint32_t most = tile_smem(warps, scratch);
+      for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
+        const TileLayout l = tile_layout(pad, warps, scratch);
+        uint32_t lo[18], hi[18];
+        int n = 0;
+        lo[n] = pad, hi[n++] = pad + TABLE_BYTES;
+        if (scratch) lo[n] = l.scratch, hi[n++] = l.scratch + scratch;
+        for (int w = 0; w < warps; ++w) lo[n] = l.ring(w), hi[n++] = l.ring(w) + RING_BYTES;
+        for (int i = 0; i < n; ++i) {
+          bad += lo[i] % 16 != 0 || hi[i] > l.end || l.end > most;
+          for (int j = i + 1; j < n; ++j) bad += lo[i] < hi[j] && lo[j] < hi[i];
+        }
+      }
+    }
+  }
+  printf("%d %d\n", bad, tile_smem(16, SCRATCH_BYTES));
+  return 0;
+}
+''')
+    exe = tmp_path / "layout"
+    out = subprocess.run([NVCC, "-std=c++17", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bad, most = map(int, subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split())
+    assert bad == 0
+    assert most <= 227 * 1024
