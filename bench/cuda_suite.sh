@@ -20,9 +20,38 @@ run_tests() {
     tests/equivalence/test_cuda_sampling.py -s 2>&1 \
     | tee "$OUT/cuda-tests.log" | grep -v "^\.$"
 }
-# into this tree (after) or BEFORE's (before), each with its own extension build
+# The nf4-stage modes: this tree (after) against BEFORE's (before), each with its own extension
+# build, results into $OUT/after and $OUT/before. stage_side: into that side's tree (in a subshell).
 stage_side() {
   if [ "$1" = before ]; then cd "$BEFORE" && export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-before"; fi
+}
+stage_build() {  # both sides' extensions, side by side
+  for side in after before; do
+    (stage_side $side && python3 -c \
+      "from engine.kernels import nf4_cuda; print('$side: CUDA NF4 kernel built:', nf4_cuda.extension() is not None)") &
+  done
+  wait
+}
+stage_tests() {  # LOG KEYWORDS TIMEOUT: this tree's NF4 GPU tests
+  timeout "$3" python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py -k "$2" \
+    2>&1 | tee "$OUT/$1.log" | grep -v "^\.$" | grep -E "passed|failed|Error|error|nf4 experts|nf4 cuda|greedy|plan" \
+    | tail -20
+}
+stage_launches() {  # SIDE: every launch at 1 and 8 rows
+  local out; out=$(cd "$OUT" && pwd)
+  (stage_side "$1" && timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/$1" 2>&1 \
+    | tee "$out/nf4-cuda-stage-$1.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40)
+}
+stage_experts() {  # SIDE: the 26B-A4B experts' two stages at 1 and 8 tokens
+  local out; out=$(cd "$OUT" && pwd)
+  (stage_side "$1" && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows \
+    --out "$out/$1" --tag stage-$1-experts 2>&1 | tee "$out/tune-stage-$1.log" | tail -7)
+}
+stage_decode() {  # SHAPE SIDE: 4-bit decode at N=1 and 8
+  local out; out=$(cd "$OUT" && pwd)
+  (stage_side "$2" && timeout 200 python3 -m bench.throughput --shape "$1" --dtype bfloat16 --weights bnb-4bit \
+    --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$2" --tag stage-$2 2>&1 \
+    | tee "$out/throughput-$1-stage-$2.log" | tail -6)
 }
 case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
@@ -121,57 +150,27 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     # extensions of this tree and of BEFORE (an earlier tree) built side by side, the NF4 GPU tests,
     # the 26B-A4B experts' two stages at 1 and 8 tokens on both trees, then every launch at 1 and 8
     # rows on this tree (BEFORE's in nf4-stage-throughput), into after/ and before/
-    out=$(cd "$OUT" && pwd)
-    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)" &
-    (cd "$BEFORE" && TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ext}-before" python3 -c \
-      "from engine.kernels import nf4_cuda; print('BEFORE: CUDA NF4 kernel built:', nf4_cuda.extension() is not None)")
-    wait
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-      -k "cuda_one_row or plans or experts_match or experts_plan or greedy_tokens" 2>&1 \
-      | tee "$OUT/cuda-tests-nf4-stage.log" | grep -v "^\.$" | grep -E "passed|failed|Error|error|nf4 experts|greedy|plan" | tail -20
-    for side in after before; do
-      (stage_side $side && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows \
-        --out "$out/$side" --tag stage-$side-experts 2>&1 | tee "$out/tune-stage-$side.log" | tail -7)
-    done
-    timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/after" 2>&1 \
-      | tee "$out/nf4-cuda-stage-after.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40 ;;
+    stage_build
+    stage_tests cuda-tests-nf4-stage "cuda_one_row or plans or experts_match or experts_plan or greedy_tokens" 200
+    for side in after before; do stage_experts $side; done
+    stage_launches after ;;
   nf4-stage-throughput)  # BEFORE's launches at 1 and 8 rows, then 4-bit decode of the 26B-A4B shape,
     # this tree then BEFORE, same machine
-    out=$(cd "$OUT" && pwd)
-    (stage_side before && timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/before" 2>&1 \
-      | tee "$out/nf4-cuda-stage-before.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40)
-    for side in after before; do
-      (stage_side $side && timeout 200 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
-        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
-        | tee "$out/throughput-26b-stage-$side.log" | tail -6)
-    done ;;
+    stage_launches before
+    for side in after before; do stage_decode gemma4-26b-a4b $side; done ;;
   nf4-stage-check)  # after a change to the tiles: the extensions built side by side, the tiles' GPU
     # tests, this tree's launches at 1 and 8 rows and experts' stages at 1 and 8 tokens, then 4-bit
-    # decode of the 26B-A4B shape on this tree and BEFORE, same machine
-    out=$(cd "$OUT" && pwd)
-    python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)" &
-    (stage_side before && python3 -c "from engine.kernels import nf4_cuda; print('BEFORE built:', nf4_cuda.extension() is not None)")
-    wait
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-      -k "cuda_one_row or experts_match" 2>&1 | tee "$OUT/cuda-tests-nf4-stage-check.log" | grep -v "^\.$" \
-      | grep -E "passed|failed|Error|error|nf4 experts|nf4 cuda" | tail -12
-    timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/after" 2>&1 \
-      | tee "$out/nf4-cuda-stage-after.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40
-    timeout 80 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$out/after" \
-      --tag stage-after-experts 2>&1 | tee "$out/tune-stage-after.log" | tail -7
-    for side in after before; do  # BEFORE where the run has time left for it (STAGE_BUDGET seconds in all)
-      [ $side = before ] && [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ] && { echo "no time left for BEFORE"; break; }
-      (stage_side $side && timeout 170 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 \
-        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
-        | tee "$out/throughput-26b-stage-$side.log" | tail -4)
-    done ;;
+    # decode of the 26B-A4B shape on this tree and, where the run has time left for it
+    # (STAGE_BUDGET seconds in all), BEFORE, same machine
+    stage_build
+    stage_tests cuda-tests-nf4-stage-check "cuda_one_row or experts_match" 90
+    stage_launches after
+    stage_experts after
+    stage_decode gemma4-26b-a4b after
+    if [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ]; then echo "no time left for BEFORE"
+    else stage_decode gemma4-26b-a4b before; fi ;;
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
-    out=$(cd "$OUT" && pwd)
-    for side in after before; do
-      (stage_side $side && timeout 170 python3 -m bench.throughput --shape gemma3-4b --dtype bfloat16 \
-        --weights bnb-4bit --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$side" --tag stage-$side 2>&1 \
-        | tee "$out/throughput-4b-stage-$side.log" | tail -6)
-    done ;;
+    for side in after before; do stage_decode gemma3-4b $side; done ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
     # Triton kernels serve), same run
