@@ -19,10 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine import FinishReason, SamplingParams
 from service.errors import APIError, valid_text
-from service.schemas import INT64
+from service.schemas import DEFAULT_MAX_TOKENS, INT64
 from service.structured import ANY_OBJECT, json_grammar
 
-DEFAULT_MAX_OUTPUT_TOKENS = 256  # as the other generation routes, when the request sets none
 
 # Parameters of the Responses API that this server does not implement, each with the values that
 # ask for nothing (and so are accepted).
@@ -156,7 +155,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
 
 def sampling(body: ResponsesRequest, stop_token_ids: tuple[int, ...], grammar: str | None = None) -> SamplingParams:
     return SamplingParams(
-        max_tokens=body.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+        max_tokens=body.max_output_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens_fit=not body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         stop_token_ids=stop_token_ids,

@@ -13,6 +13,9 @@ from service.errors import APIError
 # Integers the engine takes travel as 64-bit values: larger ones are invalid input (400), not a
 # failure to encode. Token ids keep the engine's own range check (below 0 or past the vocabulary).
 INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
+# the tokens a generation route asks for when the request names none; where the context or the
+# KV cache leaves less room, the request generates what fits instead of being refused
+DEFAULT_MAX_TOKENS = 256
 TokenId = Annotated[StrictInt, Field(**INT64)]
 COUNT_MAX = (1 << 31) - 1
 

@@ -25,6 +25,7 @@ from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.types import EngineError, TokenLogprobs
 from service import chat
 from service.errors import APIError, from_engine, valid_text
+from service.schemas import DEFAULT_MAX_TOKENS
 from service.tokenize_worker import TokenizerGone, TokenizerProcess
 
 log = logging.getLogger("s5serve")
@@ -148,10 +149,12 @@ async def render_chat(state, messages: list[dict[str, str]], history_len: int, t
 
 def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | None = None) -> SamplingParams:
     given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
-    max_tokens = given[0] if given else 256  # 0 (session route only): an append
+    # 0 (session route only): an append; none given: DEFAULT_MAX_TOKENS, or what the context leaves
+    max_tokens = given[0] if given else DEFAULT_MAX_TOKENS
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens,
+        max_tokens_fit=not given,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=top_k,
         top_p=1.0 if body.top_p is None else body.top_p,

@@ -53,6 +53,9 @@ class SamplingParams:
     # tokens to generate; 0 (a session turn only): append the input to the session, generating
     # nothing (the row is prefilled and committed)
     max_tokens: int = 16
+    # max_tokens is a default, not the client's: where the context or the KV cache leaves less
+    # room, the request generates up to what fits (ending with LENGTH) instead of being refused
+    max_tokens_fit: bool = False
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off

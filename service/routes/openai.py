@@ -109,7 +109,9 @@ def _usage(turns: list, lasts: list) -> dict:
 
 
 def _finish(reason: FinishReason | None) -> str:
-    return "length" if reason == FinishReason.LENGTH else "stop"
+    """OpenAI's finish reason; a turn cancelled by its client or the server reads "abort" (as
+    vLLM reports it), so a client can tell it from one that ended."""
+    return {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}.get(reason, "stop")
 
 
 class _Choice:

@@ -106,7 +106,7 @@ def test_limits_sessions_and_cancels_hold_across_front_ends(two):
         assert httpx.post(f"{url}/v1/requests/{rid}/cancel", headers=A).json()["cancelled"] is True
     for t in holders:
         t.join(30)
-    assert ends == ["stop", "stop"]  # ended by the cancel, not by length
+    assert ends == ["abort", "abort"]  # ended by the cancel, not by length or a stop
     assert httpx.post(f"{url}/v1/completions", json=small, headers=A).status_code == 200  # the slots are back
 
     # a session's turns, each through whichever front end takes its connection

@@ -260,9 +260,25 @@ def test_cancel_by_request_id(tiny):
         assert httpx.post(f"{tiny.url}/v1/requests/{rid}/cancel", headers=B).status_code == 404  # not theirs
         assert httpx.post(f"{tiny.url}/v1/requests/{rid}/cancel", headers=A).json()["cancelled"]
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # ended early, not by length
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"  # ended by the cancel, not by length or a stop
     assert sum(len(c["choices"][0]["text"]) >= 0 for c in chunks) < 3000
     tiny.wait_idle()
+
+
+def test_max_tokens_left_out_generates_what_the_context_leaves(tiny):
+    """max_tokens left out asks for 256 tokens, lowered to the room the context leaves (4,096 on
+    the tiny model); the same 256 asked for is refused."""
+    near = {"prompt": [5] * 4000, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{tiny.url}/v1/completions", json={**near, "max_tokens": 256}, headers=A, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(f"{tiny.url}/v1/completions", json=near, headers=A, timeout=60)
+    assert r.status_code == 200, r.text
+    usage, choice = r.json()["usage"], r.json()["choices"][0]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]) == (4000, 96, "length")
+    far = httpx.post(f"{tiny.url}/v1/completions", json={**near, "prompt": [5] * 10}, headers=A, timeout=60)
+    assert far.json()["usage"]["completion_tokens"] == 256
+    tiny.wait_idle()
+    tiny.check_invariants()
 
 
 def test_idle_sessions_expire_and_answer_session_evicted(tiny):

@@ -134,3 +134,33 @@ def test_the_engine_process_warm_up_leaves_no_trace(max_model_len, kv_cache_byte
         return [Request("a", [5, 6, 7], greedy(8)), Request("b", [9, 10], greedy(6))]
 
     assert run_all(warmed, requests()) == run_all(fresh, requests())
+
+
+def test_a_default_max_tokens_is_lowered_to_the_room_left(engine):
+    """max_tokens the client did not ask for (max_tokens_fit) ends where the context does instead
+    of refusing the prompt; the same max_tokens asked for is refused (above)."""
+    fit = SamplingParams(max_tokens=100, max_tokens_fit=True)
+    out = run_all(engine, [Request("near", [5] * 200, fit)])["near"]
+    assert len(out) == 256 - 200
+    # on a session, the history counts too
+    sid = engine.create_session()
+    run_all(engine, [Request("t1", [5] * 150, greedy(1), sid)])
+    out = run_all(engine, [Request("t2", [6] * 50, fit, sid)])["t2"]
+    assert 150 + 1 + 50 + len(out) == 256
+    # room enough: max_tokens itself
+    assert len(run_all(engine, [Request("far", [5] * 10, fit)])["far"]) == 100
+    engine.check_invariants()
+
+
+def test_a_default_max_tokens_is_lowered_to_the_kv_cache():
+    cfg = EngineConfig(model="tiny-random", kv_policy="native", max_rows=2, kv_cache_bytes=1 << 16,
+                       max_model_len=4096)
+    eng = Engine(cfg, tiny_loaded(0))
+    cap = (eng.pool.num_blocks - 1) * eng.pool.block_size
+    assert cap < 4096 - 64
+    with pytest.raises(EngineError) as err:
+        eng.add_request(Request("asked", [5] * 10, greedy(4000)))
+    assert err.value.code == "kv_capacity_exceeded"
+    out = run_all(eng, [Request("default", [5] * 10, SamplingParams(max_tokens=4000, max_tokens_fit=True))])
+    assert len(out["default"]) == cap - 10
+    eng.check_invariants()
