@@ -88,8 +88,11 @@ def install(app) -> None:
         return JSONResponse(envelope(e.status, e.message, e.code, e.param), e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         msg, param = validation_message(list(exc.errors()))
+        kind = request.headers.get("content-type", "")
+        if param is None and kind and not _is_json(kind):  # a body never parsed: say why
+            msg = f"the request body must be JSON sent with Content-Type: application/json (this one: {kind})"
         return JSONResponse(envelope(400, msg, "invalid_request", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -106,8 +109,16 @@ def install(app) -> None:
         return JSONResponse(envelope(status, msg, code), status, headers=exc.headers)
 
 
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type is JSON as FastAPI parses it (application/json or */*+json)."""
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
+
+
 class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 (declared or streamed)."""
+    """ASGI middleware: a request body over `max_bytes` gets 413, whether its length is declared
+    or it is streamed (chunked): the 413 goes out as soon as the body passes the limit, and what
+    the app answers after that (it sees the read fail) is dropped."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -118,21 +129,30 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._reject(send)
-        seen = 0
+        seen, started, rejected = 0, False, False
 
         async def limited():
-            nonlocal seen
+            nonlocal seen, rejected
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
+                    if not started and not rejected:
+                        rejected = True
+                        await self._reject(send)
                     raise _TooLarge()
             return msg
 
+        async def guarded(msg):
+            nonlocal started
+            if not rejected:
+                started = True
+                await send(msg)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, guarded)
         except _TooLarge:
-            await self._reject(send)
+            pass
 
     async def _reject(self, send):
         body = JSONResponse(envelope(413, f"request body over {self.max_bytes} bytes", "body_too_large"), 413)

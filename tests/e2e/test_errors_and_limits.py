@@ -359,3 +359,25 @@ def test_per_key_limits_answer_429_and_leave_other_keys_alone():
         srv.check_invariants()
     finally:
         srv.stop()
+
+
+def test_a_streamed_body_over_the_limit_gets_413_and_a_form_body_is_named(tiny):
+    """A chunked body (no Content-Length) past --max-body-bytes gets the same 413 as a declared
+    one; a JSON body sent as a form (curl -d without a header) is told to use application/json."""
+    body = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()
+
+    def chunked():
+        for i in range(0, len(body), 1 << 16):
+            yield body[i:i + (1 << 16)]
+
+    r = httpx.post(f"{tiny.url}/v1/completions", content=chunked(), headers={**A, "content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    form = {**A, "content-type": "application/x-www-form-urlencoded"}
+    r = httpx.post(f"{tiny.url}/v1/completions", content=b'{"prompt": [5], "max_tokens": 1}', headers=form)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_request"
+    assert "Content-Type: application/json" in err["message"] and "x-www-form-urlencoded" in err["message"]
+    ok = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 1}, headers=A, timeout=30)
+    assert ok.status_code == 200
+    tiny.check_invariants()
