@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -158,6 +159,10 @@ def main(argv: list[str]) -> None:
 
     parent_pid, address = int(argv[0]), argv[1]
     die_with_parent(parent_pid)
+    # SIGINT and SIGTERM are the front end's to handle (a terminal's Ctrl-C reaches the whole
+    # process group): it drains, then kills this process at close
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)

@@ -3,6 +3,7 @@ process of its own) and `server_process` (a whole `s5serve serve` process), with
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,14 +96,16 @@ READY_S = 120
 
 
 @contextmanager
-def server_process(log_path, *args: str):
-    """A real `s5serve serve` process on a free port; yields (process, url) once it is ready."""
+def server_process(log_path, *args: str, new_group: bool = False):
+    """A real `s5serve serve` process on a free port; yields (process, url) once it is ready.
+    `new_group`: in a process group of its own (as a shell starts it), for signals to the group."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # sessions go to a file beside the log unless the test names one (`--session-db`)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "S5_SESSION_DB": str(Path(log_path).parent / "sessions.sqlite3")}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args],
-                            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+                            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            process_group=0 if new_group else None)
     deadline = time.monotonic() + READY_S
     try:
         while time.monotonic() < deadline:
@@ -122,6 +125,11 @@ def server_process(log_path, *args: str):
     finally:
         if proc.poll() is None:
             proc.kill()
+        if new_group:  # whatever of the group is left
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def alive(pid: int) -> bool:

@@ -171,12 +171,16 @@ def test_a_killed_engine_takes_the_whole_server_down(tmp_path):
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_the_server_drains_and_no_process_outlives_it(tmp_path, sig):
-    with server_process(tmp_path / "log", *FLAGS) as (proc, url):
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGKILL, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGKILL", "Ctrl-C"])
+def test_the_server_drains_and_no_process_outlives_it(tmp_path, sig, group):
+    """SIGTERM drains; SIGKILL leaves no process behind; Ctrl-C (SIGINT to the whole process
+    group, every process of the server included) drains as SIGTERM does, without a traceback."""
+    with server_process(tmp_path / "log", *FLAGS, new_group=group) as (proc, url):
         _all_ready(url)
         kids = _children(proc.pid)
         assert len(kids) == 3  # the engine and two front ends
+        kids += [g for k in kids for g in _children(k)]  # the front ends' tokenizer processes
         got: list[int] = []
         started = threading.Event()
 
@@ -194,12 +198,16 @@ def test_the_server_drains_and_no_process_outlives_it(tmp_path, sig):
         t = threading.Thread(target=stream)
         t.start()
         assert started.wait(30)
-        os.kill(proc.pid, sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
         code = proc.wait(60)
         t.join(30)
         deadline = time.monotonic() + 5
         while any(alive(k) for k in kids):
             assert time.monotonic() < deadline, f"a process of the server outlived it ({sig.name})"
             time.sleep(0.05)
-        if sig == signal.SIGTERM:
+        if sig != signal.SIGKILL:
             assert code == 0 and len(got) == 150  # the stream in flight finished first
+            assert "Traceback" not in (tmp_path / "log").read_text()

@@ -7,6 +7,7 @@ import bisect
 import gc
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.servers import LiveServer, engine_alone, free_port, server_process, stream_ids
+from tests.servers import LiveServer, alive, engine_alone, free_port, server_process, stream_ids
 
 TINY = EngineConfig(model="tiny-random:3", max_rows=8, kv_cache_bytes=1 << 22, max_num_batched_tokens=64)
 
@@ -230,3 +231,32 @@ def test_a_streamed_response_closes_its_turn_on_the_event_loop(monkeypatch):
         assert threads == [srv.thread]
     finally:
         srv.stop()
+
+
+def test_ctrl_c_stops_the_embedded_server_quietly(embedded_dir, tmp_path):
+    """Ctrl-C in the terminal of `make serve` (SIGINT to the whole process group: the server, its
+    engine process and its tokenizer process) drains and exits 0, with no traceback from any of
+    them and no process left."""
+    flags = ("--model", "embedded", "--quantization", "int8", "--rows", "2", "--kv-cache-bytes", "64M",
+             "--session-db", "none")
+    log = tmp_path / "log"
+    with server_process(log, *flags, new_group=True) as (proc, url):
+        group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == proc.pid]
+        assert len(group) >= 3, group  # the server, the engine process, the tokenizer process
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in group):
+            assert time.monotonic() < deadline, "a process of the server outlived it"
+            time.sleep(0.05)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
