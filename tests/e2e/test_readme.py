@@ -121,3 +121,19 @@ def test_readme_responses_examples(server, capsys):
     exec(compile(code.replace(LOCAL, server.url), "README.md", "exec"), {})
     text, cached = capsys.readouterr().out.splitlines()
     assert text == want and int(cached.split()[0]) > 0, (text, cached)
+
+
+def test_readme_structured_output_example_parses_to_its_schema(server):
+    """The README's json_schema request, greedy and sampled: the reply parses and follows the
+    schema (the bounds in it keep a base model's reply short)."""
+    (body,) = [json.loads(b) for b in blocks("json") if "response_format" in b]
+    schema = body["response_format"]["json_schema"]["schema"]
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        r = post(server, "/v1/chat/completions", {**body, **extra})
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        obj = json.loads(choice["message"]["content"])
+        assert set(obj) == set(schema["required"])
+        assert isinstance(obj["name"], str) and len(obj["name"]) <= schema["properties"]["name"]["maxLength"]
+        pop = schema["properties"]["population"]
+        assert isinstance(obj["population"], int) and pop["minimum"] <= obj["population"] <= pop["maximum"]
