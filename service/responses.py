@@ -74,7 +74,7 @@ def text_grammar(body: ResponsesRequest) -> str | None:
 class ResponsesRequest(BaseModel):
     """POST /v1/responses. Unknown fields are accepted (and ignored), as on the other routes."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # as the other routes' (schemas._Body)
 
     model: str | None = None
     input: str | list[dict[str, Any]]

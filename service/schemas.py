@@ -36,7 +36,9 @@ UNSUPPORTED: dict[str, Any] = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings")
+    # strict: a number or boolean of another type ("5", 5.0 for an integer; "yes", 1 for a
+    # boolean) is refused, as OpenAI refuses it, rather than coerced (an integer is a number)
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT64["le"])
@@ -69,6 +71,13 @@ class _Body(BaseModel):
         if len(items) > 8 or any(not s for s in items):
             raise ValueError("stop must be up to 8 non-empty strings")
         return items
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only for stream: true")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

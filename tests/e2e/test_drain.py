@@ -12,10 +12,10 @@ import pytest
 from tests.servers import server_process
 
 
-@pytest.mark.parametrize("grace,max_tokens,finish,streams", [(30, 400, "length", 50), (1, 4000, "stop", 5)])
+@pytest.mark.parametrize("grace,max_tokens,finish,streams", [(30, 400, "length", 50), (1, 4000, "abort", 5)])
 def test_sigterm_drains_streams(tmp_path, grace, max_tokens, finish, streams):
     """Streams that finish within the grace period end normally; the rest end with a final
-    event when it runs out. Either way every stream ends with [DONE]."""
+    event when it runs out (finish reason "abort"). Either way every stream ends with [DONE]."""
     with server_process(tmp_path / "log", "--model", "tiny-random:0", "--drain-grace", str(grace), "--rows", "64",
                         "--kv-cache-bytes", str(1 << 24)) as (proc, url):
         results, live = {}, []
