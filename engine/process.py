@@ -167,8 +167,8 @@ class EngineCore:
         self.invariant_failures = 0
         self._stats_at = 0.0
         # with several front ends: request id (for n completions, the prefix of the forks' ids) ->
-        # [the front end that submitted it, completions not yet finished]. A fork that never ran
-        # (its request ended before the prefill) leaves an entry until the engine next idles.
+        # [the front end that submitted it, completions not yet finished]; a request that ends
+        # before its row is forked ends its forks too (Engine._finish)
         self._route: dict[str, list[int]] = {}
 
     def serve(self, inbox) -> None:

@@ -134,8 +134,13 @@ class ChatCompletionRequest(_Body):
         return self.top_logprobs or 0
 
 
+# prompts in one completions request (each its own request to the engine, with its n choices)
+MAX_PROMPTS = 256
+
+
 class CompletionRequest(_Body):
-    prompt: str | list[TokenId] | list[str]  # token ids must be integers (not booleans)
+    # a text, token ids (integers, not booleans), or a list of either: a choice per prompt
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token (0: the token's own)
 

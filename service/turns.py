@@ -305,14 +305,20 @@ async def start_turn(state, prompt_ids: list[int], params: SamplingParams, sessi
     return (await start_turns(state, prompt_ids, params, session_id, owner, match_prefix, expect_history_len))[0]
 
 
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
 async def start_turns(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
-                      owner: str | None, match_prefix: bool, expect_history_len: int | None = None) -> list[Turn]:
+                      owner: str | None, match_prefix: bool, expect_history_len: int | None = None,
+                      request_id: str | None = None) -> list[Turn]:
     """`start_turn` for `params.n` completions of one prompt: one turn per completion (the
-    engine prefills the prompt once and forks its row)."""
+    engine prefills the prompt once and forks its row). `request_id`: the engine request's id
+    (default: a new one)."""
     require_ready(state)
     m = state.metrics
     engine = state.engine
-    rid = f"req-{uuid.uuid4().hex}"
+    rid = request_id or new_request_id()
     started = time.monotonic()
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)

@@ -41,7 +41,8 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.session_db import open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
 from engine.core.structured import Grammars
-from engine.core.types import EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs
+from engine.core.types import (EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs,
+                               cancel_ids, fork_id)
 from engine.kv.policy import layer_layouts
 from engine.kv.windows import budget_windows
 from engine.kv.rows import RowPool
@@ -110,6 +111,9 @@ class Engine:
         # outputs of requests ended outside `step` by a session's end (closed or evicted with a turn
         # in flight); whoever runs the loop takes them and delivers them like a step's outputs
         self.ended_between_steps: list[RequestOutput] = []
+        # the final outputs of completions (n > 1) whose request ended before its row was forked;
+        # the step, or the abort, that ended it hands them on
+        self._unforked_ends: list[RequestOutput] = []
         # Called with every row's logits before sampling: (request_id, position of the last fed
         # token, logits [vocab], a view). Tests use it to record logits and to inject faults (an
         # altered row or an exception fails that request only). None in serving.
@@ -227,20 +231,25 @@ class Engine:
         return len(every), len(mine)
 
     def cancel(self, request_id: str, owner: str | None = None) -> bool:
-        """End a request of `owner` and every completion of it (between steps; their final
-        outputs are in `ended_between_steps`). False when no such request of this owner runs."""
-        ids = [rid for rid, lv in self._live.items() if request_id in (rid, rid.partition("/")[0])
-               and lv.request.owner == owner]
+        """End a request of `owner`, every completion of it and, for a client's request of several
+        prompts, every prompt's (`cancel_ids`; between steps; their final outputs are in
+        `ended_between_steps`). False when no such request of this owner runs."""
+        ids = [rid for rid, lv in self._live.items() if request_id in cancel_ids(rid) and lv.request.owner == owner]
         for rid in ids:
             self.ended_between_steps.append(self.abort(rid))
         return bool(ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now (between steps); rolls its session back. None if unknown."""
+        """End a request now (between steps); rolls its session back. None if unknown. Where
+        the request (n > 1) was not forked yet, its other completions' final outputs go to
+        `ended_between_steps`."""
         live = self._live.get(request_id)
         if live is None:
             return None
-        return self._finish(live, FinishReason.ABORT)
+        out = self._finish(live, FinishReason.ABORT)
+        self.ended_between_steps += self._unforked_ends
+        self._unforked_ends = []
+        return out
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -287,6 +296,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward's outputs. With a step in flight (`AheadSteps`), those are its outputs,
         and the next step is launched first where it can be."""
+        outputs = self._step()
+        if self._unforked_ends:
+            outputs += self._unforked_ends
+            self._unforked_ends = []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.ahead is not None and self.ahead.pending is not None:
             return self.ahead.step(self._apply_safely, self._finish, self.logits_hook is not None)
         plan = self.scheduler.schedule(self._admit)
@@ -365,6 +381,7 @@ class Engine:
                 lives.append(child)
                 copies.append(j)
             parent.fork_rows = []
+            parent.forks_pending = False
         return torch.cat([logits, logits[copies]])
 
     def _apply_safely(self, live: LiveRequest, picked: tuple[int, bool], kv_len: int,
@@ -414,6 +431,10 @@ class Engine:
         for row in live.fork_rows:  # n > 1, ended before its prompt was prefilled
             self.pool.free_row(row)
         live.fork_rows = []
+        if live.forks_pending:  # the completions it would have forked end with it, as it ended
+            live.forks_pending = False
+            self._unforked_ends += [RequestOutput(fork_id(rid, i), [], True, reason, len(live.feed), live.num_cached,
+                                                  0, error, None) for i in range(1, live.request.params.n)]
         if session is None:
             if live.row is not None:
                 self.pool.free_row(live.row)

@@ -51,6 +51,8 @@ class LiveRequest:
     # n > 1: the empty rows (allocated and reserved at admission) its row is forked into once
     # the prompt is prefilled; completion i then runs as a request of its own, `fork_id(id, i)`
     fork_rows: list[int] = field(default_factory=list)
+    # n > 1, its row not forked yet: were it to end now, its other completions end with it
+    forks_pending: bool = False
 
     @property
     def request_id(self) -> str:
@@ -154,6 +156,7 @@ class RequestPlanner:
             logits_state=RowLogitsState(params, prompt, vocab, self.pool.device, self.eos_token_ids)
             if params.processed else None,
             grammar=grammar,
+            forks_pending=params.n > 1,
         )
 
     def fork(self, parent: LiveRequest, index: int, row: int) -> LiveRequest:

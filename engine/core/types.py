@@ -48,6 +48,19 @@ def fork_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}/{index}"
 
 
+def prompt_id(request_id: str, index: int) -> str:
+    """The request id of prompt `index` of a client's request with several prompts, each a
+    request of its own (index 0 keeps the id); cancelling `request_id` ends them all."""
+    return request_id if index == 0 else f"{request_id}+{index}"
+
+
+def cancel_ids(request_id: str) -> tuple[str, str, str]:
+    """The ids a cancel of a request id matches: the request itself, the request its completion
+    forked from (`fork_id`), and the client's request it is a prompt of (`prompt_id`)."""
+    base = request_id.partition("/")[0]
+    return request_id, base, base.partition("+")[0]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # tokens to generate; 0 (a session turn only): append the input to the session, generating

@@ -11,13 +11,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
+from engine.core.types import prompt_id
 from service import chat, sse, structured, tools
 from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
-from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import (check_model, check_supported, collect_all, render_chat, require_ready, sampling_params,
-                           start_turns, tokenize)
+from service.schemas import ERROR_RESPONSES, MAX_PROMPTS, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
+from service.turns import (check_model, check_supported, collect_all, new_request_id, render_chat, require_ready,
+                           sampling_params, start_turns, tokenize)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -76,30 +77,53 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     if body.echo and body.logprobs is not None:
         raise APIError(400, "logprobs with echo would need the prompt's logprobs, which this server does not "
                        "compute; leave one of them out", "invalid_request", "logprobs")
-    p = body.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        if len(p) != 1:
-            raise APIError(400, "only one prompt per request", "invalid_request", "prompt")
-        p = p[0]
-    if isinstance(p, str):
-        if st.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "prompt")
-        ids = await tokenize(st, valid_text(p, "prompt"))
-    else:
-        ids = list(p)
-    echo = ""  # `echo`: the reply's text starts with the prompt's
-    if body.echo:
-        echo = p if isinstance(p, str) else (st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else "")
+    prompts = _prompts(body.prompt)
+    if len(prompts) > 1 and _session_id(request, body) is not None:
+        raise APIError(400, "a session continues one prompt: send one prompt with session_id", "invalid_request",
+                       "prompt")
+    ids_of, echoes = [], []  # `echo`: each choice's text starts with its prompt's
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if st.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send token ids", "invalid_request", "prompt")
+            ids = await tokenize(st, valid_text(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
+        else:
+            ids = list(p)
+        ids_of.append(ids)
+        if body.echo:
+            echoes.append(p if isinstance(p, str) else (
+                st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else ""))
     params = sampling_params(body, grammar=await structured.grammar_of(st, body))
-    turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True)
-    return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts, echo=echo)
+    turns: list = []
+    rid = new_request_id()  # the X-Request-Id: cancelling it ends every prompt's request
+    try:  # each prompt a request of its own (with its n choices); one refused: none runs
+        for i, ids in enumerate(ids_of):
+            turns += await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True,
+                                       request_id=prompt_id(rid, i))
+    except BaseException:
+        for t in turns:
+            t.close()
+        raise
+    return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts,
+                          echoes=[e for e in echoes for _ in range(params.n)] if body.echo else None)
+
+
+def _prompts(prompt) -> list:
+    """The prompts of a completions request, as OpenAI takes them: a text, a list of token ids, or
+    a list of either (a choice per prompt, and per `n` of each, in order)."""
+    if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", "invalid_request", "prompt")
+    return list(prompt)
 
 
 def _usage(turns: list, lasts: list) -> dict:
-    """The prompt once (its n completions share its prefill), every completion's tokens."""
+    """Each prompt once (its n completions share its prefill), every completion's tokens."""
     n = sum(last.num_output_tokens for last in lasts if last is not None)
-    cached = next((last.num_cached_tokens for last in lasts if last is not None), 0)  # reused from the row
-    prompt = turns[0].num_prompt_tokens
+    firsts = [(t, last) for t, last in zip(turns, lasts) if not t.fork]
+    cached = sum(last.num_cached_tokens for _, last in firsts if last is not None)  # reused from the row
+    prompt = sum(t.num_prompt_tokens for t, _ in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": n,
@@ -120,7 +144,7 @@ class _Choice:
     its text held while it may be a call, with the token ids and logprobs not sent yet."""
 
     def __init__(self, index: int, echo: str, calls: tools.ToolSetup | None = None) -> None:
-        self.index, self.first, self.offset, self.last = index, True, len(echo), None
+        self.index, self.first, self.offset, self.last, self.echo = index, True, len(echo), None, echo
         self.held = tools.CallStream(calls) if calls is not None else None
         self.ids: list[int] = []
         self.lps: list = []
@@ -171,8 +195,8 @@ class _Turns:
             t.close()
 
 
-async def _respond(body, turns: list, request: Request, chat: bool, model: str, texts, echo: str = "",
-                   calls: tools.ToolSetup | None = None):
+async def _respond(body, turns: list, request: Request, chat: bool, model: str, texts,
+                   echoes: list[str] | None = None, calls: tools.ToolSetup | None = None):
     """The reply, whole or streamed, with a choice per turn. With `calls` (a chat request that may
     call tools), a choice that is a call answers `tool_calls` (finish reason `tool_calls`)
     instead of content."""
@@ -185,7 +209,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         results = await collect_all(turns, request)
         choices = []
         for i, (text, ids, last, lps) in enumerate(results):
-            place = _Choice(i, echo)
+            place = _Choice(i, echoes[i] if echoes else "")
             finish = _finish(last.finish_reason if last else None)
             message = {"role": "assistant", "content": text}
             made = tools.parse_calls(text, calls) if calls is not None else None
@@ -193,7 +217,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
                 message, finish = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
             choice = {"index": i, "finish_reason": finish,
                       "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
-            choice.update({"message": message} if chat else {"text": echo + text})
+            choice.update({"message": message} if chat else {"text": place.echo + text})
             if body.return_token_ids:
                 choice["token_ids"] = ids
             choices.append(choice)
@@ -205,7 +229,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
     # every chunk is `head` with one choice: its JSON up to the choice is encoded once
     opening = sse.event({**head, "choices": []})[: -len(b"]}\n\n")]
-    places = [_Choice(i, echo, calls) for i in range(len(turns))]
+    places = [_Choice(i, echoes[i] if echoes else "", calls) for i in range(len(turns))]
 
     def chunk(place: _Choice, delta_text: str | None, finish: str | None, token_ids: list[int] | None = None,
               lps=None, delta: dict | None = None) -> bytes:
@@ -264,7 +288,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
                 continue
             holding = place.held is not None and place.held.holding is not False and not out.finished
             if text or (place.ids and not holding and (place.first or body.return_token_ids or wants_logprobs)):
-                yield chunk(place, echo + text if place.first else text, None, place.ids, place.lps)
+                yield chunk(place, place.echo + text if place.first else text, None, place.ids, place.lps)
             if place.ids and not holding:
                 place.ids, place.lps = [], []
             if out.finished:

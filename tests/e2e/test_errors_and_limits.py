@@ -68,7 +68,7 @@ MATRIX = [
     ("prompt over context", "POST", "/v1/completions", {"prompt": [5] * 40000, "max_tokens": 1}, 400, "context_length_exceeded"),
     ("prompt token out of vocab", "POST", "/v1/completions", {"prompt": [10**9], "max_tokens": 1}, 400, "invalid_request"),
     ("prompt empty ids", "POST", "/v1/completions", {"prompt": [], "max_tokens": 1}, 400, "invalid_request"),
-    ("two prompts", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "invalid_request"),
+    ("a list of prompts, one empty", "POST", "/v1/completions", {"prompt": [[5], []]}, 400, "invalid_request"),
     ("max_tokens a string", "POST", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_request"),
     ("max_tokens a decimal", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 5.0}, 400, "invalid_request"),
     ("stream a string", "POST", "/v1/chat/completions", chat(stream="yes"), 400, "invalid_request"),
@@ -270,6 +270,19 @@ def test_cancel_by_request_id(tiny):
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"  # ended by the cancel, not by length or a stop
     assert sum(len(c["choices"][0]["text"]) >= 0 for c in chunks) < 3000
     tiny.wait_idle()
+
+
+def test_cancel_by_request_id_ends_every_prompt_of_a_list(tiny):
+    body = {"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, headers=A, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        assert httpx.post(f"{tiny.url}/v1/requests/{rid}/cancel", headers=A).json()["cancelled"]
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+            if c["choices"][0]["finish_reason"]}
+    assert ends == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+    tiny.wait_idle()
+    tiny.check_invariants()
 
 
 def test_max_tokens_left_out_generates_what_the_context_leaves(tiny):

@@ -89,6 +89,57 @@ def test_n_choices_equal_single_requests_with_their_seeds_and_share_one_prefill(
     assert stats.rows_used == stats.session_rows  # no row left behind
 
 
+def test_a_list_of_prompts_answers_a_choice_per_prompt_and_n(server, client):
+    """OpenAI's list prompts: choice p * n + j is completion j of prompt p, equal to that prompt
+    asked alone (greedy, and sampled with the same seed); texts and token ids alike, streamed or
+    not; usage counts each prompt once; echo starts each choice with its own prompt."""
+    tok = server.state.tokenizer
+    prompts = ["The capital of France is", "Once upon a time"]
+    kw = dict(model=MODEL, max_tokens=6, extra_body={"ignore_eos": True})
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        alone = [client.completions.create(prompt=p, n=2, **sampling, **kw) for p in prompts]
+        want = [c.text for a in alone for c in a.choices]
+        many = client.completions.create(prompt=prompts, n=2, **sampling, **kw)
+        assert [c.index for c in many.choices] == [0, 1, 2, 3]
+        assert [c.text for c in many.choices] == want
+        assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert many.usage.completion_tokens == 4 * 6
+        texts = [""] * 4
+        for ch in client.completions.create(prompt=prompts, n=2, stream=True, **sampling, **kw):
+            for c in ch.choices:
+                texts[c.index] += c.text
+        assert texts == want
+        ids = [tok(p)["input_ids"] for p in prompts]
+        by_ids = client.completions.create(prompt=ids, n=2, **sampling, **kw)
+        assert [c.text for c in by_ids.choices] == want
+    echoed = client.completions.create(prompt=prompts, echo=True, temperature=0, **kw)
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in zip(
+        prompts, client.completions.create(prompt=prompts, temperature=0, **kw).choices)]
+    server.wait_idle()
+    server.check_invariants()
+    stats = server.stats()
+    assert stats.rows_used == stats.session_rows  # no row left behind
+
+
+def test_a_bad_prompt_in_a_list_refuses_the_request_and_leaves_nothing_running(server):
+    """A prompt the engine refuses refuses the whole request; the prompts started before it are
+    aborted at once (no row held, nothing left running)."""
+    url = f"{server.url}/v1/completions"
+    for prompt in (["fine", [10**9]], [[5, 6], []], ["ok", "x" * 200000]):
+        r = httpx.post(url, json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    r = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 2, "session_id": sid}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url, json={"prompt": ["a"] * 257, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    server.wait_idle()
+    server.check_invariants()
+    stats = server.stats()
+    assert stats.rows_used == stats.session_rows
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
 def test_logit_bias_forces_and_bans_a_token_and_penalties_change_the_reply(server):
     tok = server.state.tokenizer
     base = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "return_token_ids": True}

@@ -164,3 +164,25 @@ def test_a_default_max_tokens_is_lowered_to_the_kv_cache():
     out = run_all(eng, [Request("default", [5] * 10, SamplingParams(max_tokens=4000, max_tokens_fit=True))])
     assert len(out["default"]) == cap - 10
     eng.check_invariants()
+
+
+def test_a_request_ended_before_its_fork_ends_its_other_completions():
+    """n > 1: a request aborted while it waits for rows (its row not forked yet) ends every
+    completion's stream, not only its own; nothing is held after."""
+    from engine.core.types import FinishReason, fork_id
+
+    cfg = EngineConfig(model="tiny-random", kv_policy="s5", kv_sink=2, kv_window=4, max_rows=2,
+                       kv_cache_bytes=1 << 22, max_model_len=256)
+    eng = Engine(cfg, tiny_loaded(0))
+    two = SamplingParams(max_tokens=50, n=2, ignore_eos=True)
+    eng.add_request(Request("a", [5, 6, 7], two))
+    eng.add_request(Request("b", [8, 9], two))
+    eng.step()  # a takes both rows and forks; b waits
+    out = eng.abort("b")
+    ends = [out] + eng.ended_between_steps
+    assert sorted(o.request_id for o in ends) == ["b", fork_id("b", 1)]
+    assert all(o.finished and o.finish_reason == FinishReason.ABORT and not o.new_token_ids for o in ends)
+    assert eng.cancel("a")  # a forked: its completions end as requests of their own
+    assert sorted(o.request_id for o in eng.ended_between_steps[1:]) == ["a", fork_id("a", 1)]
+    assert not eng.has_work() and eng.pool.num_free_rows == 2
+    eng.check_invariants()
