@@ -245,6 +245,7 @@ class Turn:
         self.finished = False
         self._stopped = False  # the text reached a stop string: nothing after it is shown
         self._last_arrival: float | None = None
+        self.first_arrival: float | None = None  # time.monotonic() of its first output (the prefill's end)
         state.active.add(self.request_id)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -256,6 +257,8 @@ class Turn:
 
     def _chunk(self, d: Delta, m) -> Chunk:
         n = len(d.token_ids)
+        if self.first_arrival is None:
+            self.first_arrival = d.arrived
         if n:
             if self._last_arrival is None:
                 m.ttft.observe(d.arrived - self.started)

@@ -82,7 +82,8 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False, expect_history_len=history_len)
     headers = {"X-Request-Id": turn.request_id}
 
-    async def final(out, prefill_s) -> dict:
+    async def final(out) -> dict:
+        prefill_s = turn.first_arrival - turn.started if turn.first_arrival is not None else None
         reason = {FinishReason.LENGTH: "length", FinishReason.ERROR: "error", FinishReason.ABORT: "abort"}
         done = {
             "type": "done",
@@ -104,20 +105,17 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         extra = {"logprobs": logprobs_format.session(ids_out, lps)} if params.logprobs is not None else {}
         if last is None:
             return JSONResponse({"text": text, "token_ids": ids_out, **extra, "type": "done", "finish_reason": "abort"})
-        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last, None)}, headers=headers)
+        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last)}, headers=headers)
 
     async def events():
-        prefill_s = None
         async for out in turn.chunks():
-            if prefill_s is None:
-                prefill_s = time.monotonic() - turn.started
             if out.token_ids and out.finish_reason != FinishReason.ERROR:
                 event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
                 if out.logprobs is not None:
                     event["logprobs"] = logprobs_format.session(out.token_ids, out.logprobs)
                 yield sse.event(event)
             if out.finished:
-                yield sse.event(await final(out, prefill_s))
+                yield sse.event(await final(out))
         yield sse.DONE
 
     return sse.response(events(), turn, headers)

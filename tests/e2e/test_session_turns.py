@@ -114,6 +114,9 @@ def test_append_then_ask_equals_one_turn(server):
     assert asked["text"] == completion(server, joined, 8)
     one = new_session(server)
     assert session_turn(server, one, input=joined, max_tokens=8)["text"] == asked["text"]
+    # the prefill's time is reported streamed or not: from the submission to the first output
+    for done in (appended, asked, session_turn(server, one, stream=True, input=" And", max_tokens=2)):
+        assert 0 < done["prefill_seconds"] <= done["total_seconds"], done
 
 
 def test_append_messages_streamed_then_ask(server):
