@@ -84,6 +84,7 @@ class RequestStream:
         self._logprobs: list[TokenLogprobs] | None = None
         self._last: ipc.Output | None = None
         self._arrived = 0.0
+        self.first_arrived: float | None = None  # time.monotonic() of its first output (the prefill's end)
         self._waiter: asyncio.Future | None = None  # the consumer's, while it waits for outputs
         self._done = False  # the final output arrived
         self._delivered = False  # ... and was handed out
@@ -94,6 +95,8 @@ class RequestStream:
         if out.logprobs is not None:
             self._logprobs = (self._logprobs or []) + out.logprobs
         self._last, self._arrived = out, now
+        if self.first_arrived is None:
+            self.first_arrived = now
         if out.finished:
             self._done = True
         return self._waiter is not None and not self._waiter.done()

@@ -33,7 +33,7 @@ CALLS = ("create_session", "close_session", "reset_session", "release_row", "ses
 
 class Limits(msgspec.Struct, array_like=True, frozen=True):
     """Admission limits over every front end's requests, applied by the engine (which alone sees
-    them all). A request with n completions counts once."""
+    them all). A request counts once, with its n completions and all its prompts."""
 
     max_in_flight: int | None = None  # requests waiting or running, over all tenants
     max_per_owner: int | None = None  # requests waiting or running of one tenant (API key)

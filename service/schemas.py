@@ -201,6 +201,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 # generation routes answer JSON, or server-sent events when `stream` is true
 STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "JSON, or server-sent events when stream is true",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"description": "JSON, or server-sent events when stream is true: each event's data a JSON chunk, "
+                         "the last `[DONE]`",
+          "content": {"text/event-stream": {"schema": {  # one event
+              "type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}}}},
 }

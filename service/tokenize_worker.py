@@ -159,10 +159,6 @@ def main(argv: list[str]) -> None:
 
     parent_pid, address = int(argv[0]), argv[1]
     die_with_parent(parent_pid)
-    # SIGINT and SIGTERM are the front end's to handle (a terminal's Ctrl-C reaches the whole
-    # process group): it drains, then kills this process at close
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)
@@ -188,4 +184,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # SIGINT and SIGTERM are the front end's to handle (a terminal's Ctrl-C reaches the whole
+    # process group): it drains, then kills this process at close. Ignored before the imports,
+    # so a Ctrl-C while the server starts leaves no traceback here either.
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, signal.SIG_IGN)
     main(sys.argv[1:])

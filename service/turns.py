@@ -245,7 +245,6 @@ class Turn:
         self.finished = False
         self._stopped = False  # the text reached a stop string: nothing after it is shown
         self._last_arrival: float | None = None
-        self.first_arrival: float | None = None  # time.monotonic() of its first output (the prefill's end)
         state.active.add(self.request_id)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -257,11 +256,9 @@ class Turn:
 
     def _chunk(self, d: Delta, m) -> Chunk:
         n = len(d.token_ids)
-        if self.first_arrival is None:
-            self.first_arrival = d.arrived
         if n:
-            if self._last_arrival is None:
-                m.ttft.observe(d.arrived - self.started)
+            if self._last_arrival is None:  # the first output (a coalesced delta's arrived is its newest's)
+                m.ttft.observe(self.stream.first_arrived - self.started)
                 if not self.fork:
                     m.prefill_tokens.inc(d.num_prompt_tokens)
                     m.cached_tokens.inc(d.num_cached_tokens)

@@ -201,10 +201,12 @@ class Engine:
             raise EngineError("duplicate request id", code="duplicate_request_id")
         if max_in_flight is not None or max_per_owner is not None:
             every, held = self._in_flight(request.owner)
-            if max_in_flight is not None and every >= max_in_flight:
+            client_request = cancel_ids(request.request_id)[2]  # another prompt of one in flight: counted
+            if max_in_flight is not None and client_request not in every and len(every) >= max_in_flight:
                 raise EngineError("too many requests in flight; retry later", code="queue_full")
-            if max_per_owner is not None and request.owner is not None and held >= max_per_owner:
-                raise EngineError(f"this key has {held} requests in flight, the most allowed; retry later",
+            if (max_per_owner is not None and request.owner is not None and client_request not in held
+                    and len(held) >= max_per_owner):
+                raise EngineError(f"this key has {len(held)} requests in flight, the most allowed; retry later",
                                   code="too_many_requests")
         session = self.sessions.get(request.session_id, request.owner) if request.session_id is not None else None
         history = self.sessions.history(session) if session is not None else []
@@ -219,16 +221,16 @@ class Engine:
             session.busy = request.request_id
         self.scheduler.add(live.sched)
 
-    def _in_flight(self, owner: str | None) -> tuple[int, int]:
-        """Requests waiting or running, in all and of `owner`, in one pass; a request's n
-        completions count once."""
+    def _in_flight(self, owner: str | None) -> tuple[set[str], set[str]]:
+        """The client requests waiting or running, in all and of `owner`, in one pass: a
+        request's n completions, and the prompts of a request of several, count once."""
         every, mine = set(), set()
         for rid, lv in self._live.items():
-            base = rid.partition("/")[0]
+            base = cancel_ids(rid)[2]
             every.add(base)
             if lv.request.owner == owner:
                 mine.add(base)
-        return len(every), len(mine)
+        return every, mine
 
     def cancel(self, request_id: str, owner: str | None = None) -> bool:
         """End a request of `owner`, every completion of it and, for a client's request of several
@@ -267,16 +269,21 @@ class Engine:
         change nothing. Where rows ran out, an idle session gives its row up first."""
         live = self._live[request_id]
         session = self.sessions[live.request.session_id] if live.request.session_id is not None else None
-        resident = session is not None and session.row is not None
         n = live.request.params.n  # n > 1: a row for each completion, forked after the prefill
-        while not resident and self.pool.num_free_rows < n:
-            running = {rid for rid, lv in self._live.items() if lv.row is not None}
+
+        def fits() -> bool:
+            resident = session is not None and session.row is not None
+            if not resident and self.pool.num_free_rows < n:
+                return False
+            if not self.pool.can_reserve(session.row if resident else None, live.max_len):
+                return False
+            return n == 1 or n * self.pool.blocks_for(live.max_len) <= self.pool.num_free_blocks
+
+        running = None
+        while not fits():  # rows or blocks short: idle sessions' rows go first
+            running = running or {rid for rid, lv in self._live.items() if lv.row is not None}
             if not self.sessions.make_room(running):
                 return False
-        if not self.pool.can_reserve(session.row if resident else None, live.max_len):
-            return False
-        if n > 1 and n * self.pool.blocks_for(live.max_len) > self.pool.num_free_blocks:
-            return False
         if session is None:
             row, live.row_is_new = self.pool.allocate_row(), True
         else:

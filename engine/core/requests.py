@@ -119,7 +119,7 @@ class RequestPlanner:
                 request = replace(request, prompt_token_ids=ids, match_prefix=False)
             else:  # it does not continue the stored history: the session starts over with it
                 history, diverged = [], True
-        max_len = self._check_length(len(history), len(ids), params.max_tokens, params.max_tokens_fit)
+        max_len = self._check_length(len(history), len(ids), params.max_tokens, params.max_tokens_fit, params.n)
         if params.n > self.pool.num_rows or params.n * self.pool.blocks_for(max_len) > self.pool.num_blocks - 1:
             raise EngineError(f"n = {params.n} completions of {max_len} tokens each do not fit the KV cache "
                               f"({self.pool.num_rows} rows); lower n or max_tokens", code="kv_capacity_exceeded",
@@ -184,13 +184,21 @@ class RequestPlanner:
             grammar=parent.grammar.fork() if parent.grammar is not None else None,
         )
 
-    def _check_length(self, num_history: int, num_input: int, max_tokens: int, fit: bool = False) -> int:
+    def _check_length(self, num_history: int, num_input: int, max_tokens: int, fit: bool = False, n: int = 1) -> int:
         """The positions the request may reach; raises when they do not fit the model or the pool.
-        `fit`: max_tokens is lowered to the room the model and the pool leave, if any."""
+        `fit`: max_tokens is lowered to the room the model and the pool leave each of the `n`
+        completions, if any."""
         if fit:
             room = self.max_model_len
-            if self.pool.blocks_for(1):  # paged layers: a row holds at most the cache's blocks
-                room = min(room, (self.pool.num_blocks - 1) * self.pool.block_size)
+            if self.pool.blocks_for(1):  # paged layers: the n rows share the cache's blocks
+                room = min(room, (self.pool.num_blocks - 1) // n * self.pool.block_size)
+            if num_history + num_input < self.max_model_len and room - num_history - num_input < 1:
+                raise EngineError(
+                    f"prompt ({num_history + num_input} tokens with history) leaves no room in the KV cache "
+                    f"({room} tokens{' a completion' if n > 1 else ''}) for a generated token",
+                    code="kv_capacity_exceeded",
+                    param="prompt" if n == 1 else "n",
+                )
             max_tokens = max(1, min(max_tokens, room - num_history - num_input))
         if num_history + num_input >= self.max_model_len:
             raise EngineError(

@@ -94,16 +94,18 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
             echoes.append(p if isinstance(p, str) else (
                 st.tokenizer.decode(ids, skip_special_tokens=True) if st.tokenizer else ""))
     params = sampling_params(body, grammar=await structured.grammar_of(st, body))
-    turns: list = []
     rid = new_request_id()  # the X-Request-Id: cancelling it ends every prompt's request
-    try:  # each prompt a request of its own (with its n choices); one refused: none runs
-        for i, ids in enumerate(ids_of):
-            turns += await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True,
-                                       request_id=prompt_id(rid, i))
-    except BaseException:
-        for t in turns:
+    # each prompt a request of its own (with its n choices), all submitted at once, so that the
+    # engine takes them in one step; one refused: the others are aborted and the request refused
+    started = await asyncio.gather(*(start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True,
+                                                 request_id=prompt_id(rid, i)) for i, ids in enumerate(ids_of)),
+                                   return_exceptions=True)
+    failed = [r for r in started if isinstance(r, BaseException)]
+    if failed:
+        for t in (t for r in started if not isinstance(r, BaseException) for t in r):
             t.close()
-        raise
+        raise failed[0]
+    turns = [t for r in started for t in r]
     return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts,
                           echoes=[e for e in echoes for _ in range(params.n)] if body.echo else None)
 

@@ -83,7 +83,8 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     headers = {"X-Request-Id": turn.request_id}
 
     async def final(out) -> dict:
-        prefill_s = turn.first_arrival - turn.started if turn.first_arrival is not None else None
+        first = turn.stream.first_arrived  # the prefill's end
+        prefill_s = first - turn.started if first is not None else None
         reason = {FinishReason.LENGTH: "length", FinishReason.ERROR: "error", FinishReason.ABORT: "abort"}
         done = {
             "type": "done",

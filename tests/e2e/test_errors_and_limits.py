@@ -285,6 +285,21 @@ def test_cancel_by_request_id_ends_every_prompt_of_a_list(tiny):
     tiny.check_invariants()
 
 
+def test_a_list_of_prompts_counts_once_against_the_queue(tiny):
+    """The tiny server queues 2 requests; 5 prompts in one request are one request (choices in
+    prompt order, each equal to its prompt asked alone)."""
+    prompts = [[5, 6 + i] for i in range(5)]
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(f"{tiny.url}/v1/completions", json=body, headers=A, timeout=60)
+    assert r.status_code == 200, r.text
+    got = [c["token_ids"] for c in r.json()["choices"]]
+    alone = [httpx.post(f"{tiny.url}/v1/completions", json={**body, "prompt": p}, headers=A,
+                        timeout=60).json()["choices"][0]["token_ids"] for p in prompts]
+    assert got == alone
+    tiny.wait_idle()
+    tiny.check_invariants()
+
+
 def test_max_tokens_left_out_generates_what_the_context_leaves(tiny):
     """max_tokens left out asks for 256 tokens, lowered to the room the context leaves (4,096 on
     the tiny model); the same 256 asked for is refused."""

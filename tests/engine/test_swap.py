@@ -46,3 +46,42 @@ def test_without_swap_space_rows_are_given_up_and_rebuilt():
         engine.step()
     assert engine.session_info(a)["last_resume"]["path"] == "rebuild" and engine.stats["rows_released"] == 2
     engine.check_invariants()
+
+
+def test_idle_rows_make_room_when_kv_blocks_run_short():
+    """Rows are plenty but the KV blocks are not: a request that needs the blocks idle sessions
+    hold is admitted once their rows move to host memory (it would otherwise wait for ever), and
+    those sessions come back exactly."""
+    from engine import SamplingParams
+
+    base = dict(model="tiny-random", kv_policy="native", max_rows=4, kv_cache_bytes=1 << 19, max_model_len=4096)
+    tight = Engine(EngineConfig(**base), tiny_loaded(0))
+    cap = (tight.pool.num_blocks - 1) * tight.pool.block_size
+    sids = [tight.create_session() for _ in range(2)]
+    for i, sid in enumerate(sids):
+        tight.add_request(Request(f"t{i}", list(range(5, 5 + cap // 4)), greedy(4), session_id=sid))
+    while tight.has_work():
+        tight.step()
+    assert tight.pool.num_free_rows >= 1  # a row is free; the blocks are what is short
+    big = Request("big", [7] * (cap - 300), SamplingParams(max_tokens=256, max_tokens_fit=True, ignore_eos=True))
+    tight.add_request(big)
+    steps = 0
+    while tight.has_work():
+        tight.step()
+        steps += 1
+        assert steps < 1000, "the request never ran"
+    assert tight.stats["swaps_out"] >= 1
+    # the sessions resume as in an engine that never swapped them
+    roomy = Engine(EngineConfig(**{**base, "kv_cache_bytes": 1 << 22}), tiny_loaded(0))
+    twins = [roomy.create_session() for _ in range(2)]
+    for i, sid in enumerate(twins):
+        roomy.add_request(Request(f"t{i}", list(range(5, 5 + cap // 4)), greedy(4), session_id=sid))
+        while roomy.has_work():
+            roomy.step()
+    for engine, ids in ((tight, sids), (roomy, twins)):
+        for i, sid in enumerate(ids):
+            engine.add_request(Request(f"u{i}", [9, 10], greedy(4), session_id=sid))
+            while engine.has_work():
+                engine.step()
+    assert [tight.session_tokens(s) for s in sids] == [roomy.session_tokens(s) for s in twins]
+    tight.check_invariants()
