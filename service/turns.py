@@ -147,6 +147,15 @@ async def render_chat(state, messages: list[dict[str, str]], history_len: int, t
     return chat.increment_ids(ids, closing_ids, tail)
 
 
+def finish_reason_text(reason: FinishReason | None) -> str:
+    """A turn's finish reason as the routes answer it: "length", "abort" (cancelled by its client
+    or the server, as vLLM reports it), "error", else "stop"."""
+    return _FINISH_TEXT.get(reason, "stop")
+
+
+_FINISH_TEXT = {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
+
+
 def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | None = None) -> SamplingParams:
     given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
     # 0 (session route only): an append; none given: DEFAULT_MAX_TOKENS, or what the context leaves

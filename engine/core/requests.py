@@ -195,7 +195,7 @@ class RequestPlanner:
             if num_history + num_input < self.max_model_len and room - num_history - num_input < 1:
                 raise EngineError(
                     f"prompt ({num_history + num_input} tokens with history) leaves no room in the KV cache "
-                    f"({room} tokens{' a completion' if n > 1 else ''}) for a generated token",
+                    f"({room} tokens{' per completion' if n > 1 else ''}) for a generated token",
                     code="kv_capacity_exceeded",
                     param="prompt" if n == 1 else "n",
                 )

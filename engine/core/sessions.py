@@ -332,9 +332,10 @@ class SessionTable:
     def make_room(self, running: Collection[str]) -> bool:
         """Rows or KV blocks ran out: the least recently used idle session that holds a row gives
         it up. Its row moves to host memory while swapped rows fit in `swap_bytes`; otherwise it
-        is freed (the next turn replays the history). `running`: request ids of turns that use their row now;
-        a session whose turn is still queued is idle too (without that, rows held by queued turns
-        behind the one being admitted would never come free). False: no row can be freed."""
+        is freed (the next turn replays the history). `running`: request ids of turns that use
+        their row now; a session whose turn is still queued is idle too (without that, rows held
+        by queued turns behind the one being admitted would never come free). False: no row can
+        be freed."""
         idle = [s for s in self.sessions.values() if s.row is not None and s.busy not in running]
         if not idle:
             return False

@@ -17,8 +17,8 @@ from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, MAX_PROMPTS, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
-from service.turns import (check_model, check_supported, collect_all, new_request_id, render_chat, require_ready,
-                           sampling_params, start_turns, tokenize)
+from service.turns import (check_model, check_supported, collect_all, finish_reason_text, new_request_id, render_chat,
+                           require_ready, sampling_params, start_turns, tokenize)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -134,12 +134,6 @@ def _usage(turns: list, lasts: list) -> dict:
     }
 
 
-def _finish(reason: FinishReason | None) -> str:
-    """OpenAI's finish reason; a turn cancelled by its client or the server reads "abort" (as
-    vLLM reports it), so a client can tell it from one that ended."""
-    return {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}.get(reason, "stop")
-
-
 class _Choice:
     """One completion's place in a reply: its index, whether its first chunk went out, (the
     completions API's logprobs) where its next token's text starts, and, streamed under tools,
@@ -212,7 +206,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         choices = []
         for i, (text, ids, last, lps) in enumerate(results):
             place = _Choice(i, echoes[i] if echoes else "")
-            finish = _finish(last.finish_reason if last else None)
+            finish = finish_reason_text(last.finish_reason if last else None)
             message = {"role": "assistant", "content": text}
             made = tools.parse_calls(text, calls) if calls is not None else None
             if made is not None:
@@ -294,7 +288,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             if place.ids and not holding:
                 place.ids, place.lps = [], []
             if out.finished:
-                yield chunk(place, None, _finish(out.finish_reason))
+                yield chunk(place, None, finish_reason_text(out.finish_reason))
         if not failed and body.include_usage:
             yield sse.event({**head, "choices": [], "usage": _usage(turns, [p.last for p in places])})
         yield sse.DONE

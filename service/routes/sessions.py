@@ -13,8 +13,8 @@ from service import logprobs as logprobs_format
 from service.auth import tenant
 from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import (check_supported, collect, engine_call, open_session, render_chat, require_ready,
-                           sampling_params, start_turn, tokenize)
+from service.turns import (check_supported, collect, engine_call, finish_reason_text, open_session, render_chat,
+                           require_ready, sampling_params, start_turn, tokenize)
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
@@ -85,10 +85,9 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     async def final(out) -> dict:
         first = turn.stream.first_arrived  # the prefill's end
         prefill_s = first - turn.started if first is not None else None
-        reason = {FinishReason.LENGTH: "length", FinishReason.ERROR: "error", FinishReason.ABORT: "abort"}
         done = {
             "type": "done",
-            "finish_reason": reason.get(out.finish_reason, "stop"),
+            "finish_reason": finish_reason_text(out.finish_reason),
             "prompt_tokens": out.num_prompt_tokens,
             "cached_tokens": out.num_cached_tokens,
             "completion_tokens": out.num_output_tokens,
