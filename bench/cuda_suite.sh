@@ -39,7 +39,7 @@ stage_tests() {  # LOG KEYWORDS TIMEOUT: this tree's NF4 GPU tests
 }
 stage_launches() {  # SIDE: every launch at 1 and 8 rows
   local out; out=$(cd "$OUT" && pwd)
-  (stage_side "$1" && timeout 100 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/$1" 2>&1 \
+  (stage_side "$1" && timeout 160 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$out/$1" 2>&1 \
     | tee "$out/nf4-cuda-stage-$1.log" | grep -E "fastest, tiles|^ +(qkv|o|gate_up|down) " | head -40)
 }
 stage_experts() {  # SIDE: the 26B-A4B experts' two stages at 1 and 8 tokens

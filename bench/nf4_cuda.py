@@ -9,8 +9,9 @@ served from L2). The fastest three launches of each kind (FMAs, tiles) are timed
 stage left out (the source's MODE): without the lookups (the loads and the products on the raw
 words), and without the weight loads (the lookups and products on made-up words), so the
 differences say where the time goes; the fastest tile launches also with the weights' copies
-prefetching 128 bytes per row into L2 (MODE 3, the product) and with copies that read whole
-32-byte sectors (MODE 4, the product).
+prefetching 128 bytes per row into L2 (MODE 3, the product), with copies that read whole
+32-byte sectors (MODE 4, the product), and with each ring stage copied from one contiguous span,
+as a weight laid out tile by tile would be read (MODE 5: the loads of that layout, not a product).
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
@@ -102,6 +103,11 @@ def main() -> None:
                     if launch[0] == tile and nf4_plan.agrees(nf4_cuda.gemv(x, ws[0], launch, sms, mode=mode), want):
                         r[key] = timed(lambda mode=mode: [nf4_cuda.gemv(x, w, launch, sms, mode=mode) for w in ws],
                                        len(ws))
+                # the product's work with each stage copied from one contiguous span (MODE 5: the
+                # loads of a weight laid out tile by tile; its sums are of other bytes)
+                if launch[0] == tile and n_out % tile == 0:
+                    r["tile_layout_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=5) for w in ws],
+                                                len(ws))
             best = results[0] if results else None
             floor_us = nbytes / bw * 1e6
             planned = min((r for r in plan if r >= m), default=None)
@@ -114,6 +120,7 @@ def main() -> None:
                     return f"{r['launch']}"
                 l2 = f"; with the L2 prefetch {r['l2_prefetch_us']:.1f}" if r.get("l2_prefetch_us") else ""
                 l2 += f"; whole-sector copies {r['sector_copies_us']:.1f}" if r.get("sector_copies_us") else ""
+                l2 += f"; tile layout {r['tile_layout_us']:.1f}" if r.get("tile_layout_us") else ""
                 return f"{r['launch']}; {r['loads_only_us']:.1f} / {r['lookups_only_us']:.1f}{l2}"
 
             if best:

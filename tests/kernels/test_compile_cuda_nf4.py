@@ -111,7 +111,7 @@ def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its
     _, sass = built
     parts = {m.group(1): p for p in re.split(r"\n(?=\s*\.text\.)", sass)
              if (m := re.match(r"\s*\.text\.\S*nf4_gemv_table_kernelILi(\d)E", p))}
-    assert set(parts) == {"0", "3", "4"}, sorted(parts)
+    assert set(parts) == {"0", "3", "4", "5"}, sorted(parts)
     copies = {mode: re.findall(r"LDGSTS\.E\.BYPASS(\.LTC128B)?\.128", part) for mode, part in parts.items()}
     assert copies["0"] and not any(copies["0"]), copies["0"]
     assert copies["3"] and all(hint == ".LTC128B" for hint in copies["3"]), copies["3"]
@@ -120,13 +120,15 @@ def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its
     assert strip(parts["0"]) == strip(parts["3"])
 
 
-def test_the_tiles_variant_with_whole_sector_copies_copies_the_same_bytes_per_stage(built):
-    """MODE 4 of the dense tiles (the product, timed by `bench.nf4_cuda` beside it): each stage's
+@pytest.mark.parametrize("mode", [4, 5])
+def test_the_tiles_variants_with_other_copy_addresses_copy_the_same_bytes_per_stage(built, mode):
+    """MODE 4 of the dense tiles (the product with whole-sector copies) and MODE 5 (the copies
+    from a tile-contiguous layout), timed by `bench.nf4_cuda` beside the product: each stage's
     copies are the product's, two 16-byte weight copies and one absmax copy per lane, past L1 and
-    without a prefetch hint; its K loop is the product's but for the copies' addresses."""
+    without a prefetch hint; the K loop is the product's but for the copies' addresses."""
     _, sass = built
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass)
-                if re.match(r"\s*\.text\.\S*nf4_gemv_table_kernelILi4E", p))
+                if re.match(rf"\s*\.text\.\S*nf4_gemv_table_kernelILi{mode}E", p))
     inner = [c for c in _loops(part) if c["HMMA.16816"]][0]
     assert inner["HMMA.16816"] == 8 and inner["PRMT"] == 32 and inner["LDS.64"] == 6, inner
     assert inner["LDGSTS.E"] == 3 and inner["DEPBAR.LE"] == 1 and inner["LDG.E"] == 4, inner

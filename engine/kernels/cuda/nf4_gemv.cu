@@ -325,6 +325,8 @@ struct TileItem {
   const float* scales;
   const uint4* xrow;
   int g_lo, g_hi;
+  const uint8_t* tile_src;   // the tile's first row's bytes and absmax (MODE 5)
+  const float* tile_scales;
 };
 
 // Lane l's item over the weight rows `row(r)` (r: the tile's row, 0-15) of a weight of `stride_p`
@@ -332,9 +334,10 @@ struct TileItem {
 template <class Row>
 __device__ __forceinline__ TileItem tile_item(const uint8_t* packed, const float* absmax, int stride_p, int stride_s,
                                               Row row, const __nv_bfloat16* xr, int g_lo, int g_hi) {
-  const int lane = threadIdx.x & 31, r = row(lane >> 1);
+  const int lane = threadIdx.x & 31, r = row(lane >> 1), r0 = row(0);
   return {packed + (size_t)r * stride_p + 32 * (lane & 1), absmax + (size_t)r * stride_s + (lane & 1),
-          reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi};
+          reinterpret_cast<const uint4*>(xr) + 2 * (lane & 3), g_lo, g_hi,
+          packed + (size_t)r0 * stride_p, absmax + (size_t)r0 * stride_s};
 }
 
 // One group of one tile as a lane multiplies it: its 8 bytes of each of its two rows (groupID,
@@ -423,12 +426,21 @@ struct CopyCursor {
   const uint8_t* src;
   const float* scales;
 
-  template <class Work>
+  // MODE 5: the item's stages read as if the weight were laid out tile by tile, each stage's 16
+  // rows x 64 bytes and 32 absmax contiguous (the tile's rows' bytes in another order: a
+  // measurement of such a layout's loads, not a product)
+  template <int MODE, class Work>
   __device__ __forceinline__ void start(const Work& work, int items) {
     if (item < items) {
       const TileItem it = work.item(item);
-      src = it.src + (size_t)it.g_lo * 32;
-      scales = it.scales + it.g_lo;
+      if (MODE == 5) {
+        const int lane = threadIdx.x & 31;
+        src = it.tile_src + (size_t)(it.g_lo / STAGE_GROUPS) * (16 * 32 * STAGE_GROUPS) + 32 * lane;
+        scales = it.tile_scales + (it.g_lo / STAGE_GROUPS) * (16 * STAGE_GROUPS) + lane;
+      } else {
+        src = it.src + (size_t)it.g_lo * 32;
+        scales = it.scales + it.g_lo;
+      }
       left = it.g_hi - it.g_lo;
     }
   }
@@ -441,12 +453,19 @@ struct CopyCursor {
 // 32-byte sector it touches, its neighbour lane's the other half). MODE 2 (time without the weight
 // loads) copies nothing; MODE 3 (the product) has L2 fetch each row's 128 bytes around its copies;
 // MODE 4 (the product) has lane l copy the 16-byte half l % 2 of each of the stage's groups, so
-// that each copy instruction reads whole sectors.
+// that each copy instruction reads whole sectors; MODE 5 (a measurement) copies each stage from one
+// contiguous 1 KiB span and 128 bytes of absmax (CopyCursor::start).
 template <int MODE, class Work>
 __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int items, int warps, uint32_t stage) {
   const int lane = threadIdx.x & 31;
   if (cur.item < items) {
-    if (MODE == 4) {
+    if (MODE == 5) {
+      copy_async16(stage + 32 * lane, cur.src);
+      copy_async16(stage + 32 * lane + 16, cur.src + 16);
+      copy_async4(stage + STAGE_SCALES + 4 * lane, cur.scales);
+      cur.src += 16 * 32 * STAGE_GROUPS - 32 * STAGE_GROUPS;  // with the step below: the next stage
+      cur.scales += 16 * STAGE_GROUPS - STAGE_GROUPS;
+    } else if (MODE == 4) {
       const uint8_t* src = cur.src - 16 * (lane & 1);  // the lane's half of the stage's first group
       const uint32_t dst = stage + 64 * (lane >> 1) + 16 * (lane & 1);
       copy_async16(dst, src);
@@ -463,7 +482,7 @@ __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int
     cur.left -= STAGE_GROUPS;
     if (cur.left <= 0) {
       cur.item += warps;
-      cur.start(work, items);
+      cur.start<MODE>(work, items);
     }
   }
   commit_copies();
@@ -501,7 +520,7 @@ __device__ __forceinline__ void run_tiles(const Work& params, const float* __res
   int item = warp * gridDim.x + blockIdx.x;
   CopyCursor cur{item, 0, nullptr, nullptr};
   auto fill_ring = [&] {  // the first RING_STAGES - 1 stages of the warp's items
-    cur.start(work, items);
+    cur.start<MODE>(work, items);
 #pragma unroll
     for (int s = 0; s < RING_STAGES - 1; ++s) copy_next<MODE>(work, cur, items, warps, ring + s * STAGE_BYTES);
   };
@@ -811,6 +830,7 @@ template __global__ void nf4_gemv_persistent_kernel<4, 0>(KERNEL_ARGS);
 template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<4>(const DenseTiles, const float*);
+template __global__ void nf4_gemv_table_kernel<5>(const DenseTiles, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -938,18 +958,22 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == 16) {
-    TORCH_CHECK(mode >= 0 && mode <= 4 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
-    const int groups = k / 64, tiles = (n + 15) / 16;
+    TORCH_CHECK(mode >= 0 && mode <= 5 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
+    TORCH_CHECK(mode != 5 || (n % 16 == 0 && stride_p * 2 == k && stride_s * 64 == k),
+                "MODE 5 reads whole tiles of a contiguous weight");
+    // K is cut into slices of whole ring stages (STAGE_GROUPS groups), so that only the last slice
+    // can end on a stage of one group
+    const int groups = k / 64, tiles = (n + 15) / 16, stages = (groups + STAGE_GROUPS - 1) / STAGE_GROUPS;
     if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
-      // an item's own cost (its x row, its store) as two groups
+      // an item's own cost (its x row, its store) as one stage
       const int64_t resident = blocks * warps;
       int64_t best = -1;
-      for (int p = groups; p >= 1; --p) {
-        const int64_t s = (groups + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 2);
+      for (int p = stages; p >= 1; --p) {
+        const int64_t s = (stages + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 1);
         if (best < 0 || cost < best) best = cost, split = s;
       }
     }
-    const int per = (groups + split - 1) / split;
+    const int per = (stages + split - 1) / split * STAGE_GROUPS;
     split = (groups + per - 1) / per;
     part = partials(split);
     const DenseTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per,
@@ -959,6 +983,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 4) launch_tiles(nf4_gemv_table_kernel<4>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    else if (mode == 5) launch_tiles(nf4_gemv_table_kernel<5>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else launch_tiles(nf4_gemv_table_kernel<0>, items, warps, blocks, x.device(), stream, pdl, work, cp);
   } else {
     TORCH_CHECK(m == 1 && mode >= 0 && mode <= 2, "1-8 weight rows per warp take one row of x (modes 0-2)");
