@@ -756,8 +756,8 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
            pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
     launch for the smallest planned row count >= M (without one, `launch_for`'s, lookups by
-    loads; a planned None: as for more rows; a planned {"cuda": launch[, "counters": ...]}: the
-    CUDA kernel of nf4_cuda where it takes x); more rows dequantize W and run `F.linear`."""
+    loads; a planned None: as for more rows; a planned {"cuda": launch}: the CUDA kernel of
+    nf4_cuda where it takes x); more rows dequantize W and run `F.linear`."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):
@@ -773,7 +773,7 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
         return F.linear(x, dequantize(w))
     if "cuda" in cfg:  # the CUDA kernel (nf4_cuda), where it takes x
         if nf4_cuda.fits(x, w, cfg["cuda"]):
-            return nf4_cuda.gemv(x, w, cfg["cuda"], sms, pdl, counters=cfg.get("counters"))
+            return nf4_cuda.gemv(x, w, cfg["cuda"], sms, pdl)
         cfg = launch_for(m, w.shape[0], w.shape[1], sms)
     return nf4_matmul(x, w, **cfg, pdl=pdl)
 

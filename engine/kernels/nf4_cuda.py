@@ -49,8 +49,7 @@ def extension():
         log.info("no CUDA compiler: the NF4 products run on the Triton kernels only")
         return None
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
-            "torch::Tensor y, torch::Tensor partial, torch::Tensor counters, int64_t rows, int64_t warps, "
-            "int64_t split, int64_t mode, "
+            "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
             "int64_t blocks, bool pdl);\n"
             "void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, "
             "torch::Tensor absmax, torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, "
@@ -108,28 +107,18 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
     return x.shape[1] > 0 and _weight_fits(w, x.device, x.shape[1])
 
 
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """What `gemv`'s tiles need to add the slices of a split K themselves, for weights of `n` rows:
-    one int32 counter per tile of 16 rows, zero. Every launch leaves them zero, so one tensor serves
-    any number of launches one after the other on one stream (not two streams at once)."""
-    return torch.zeros(-(-n // TILE_ROWS), dtype=torch.int32, device=device)
-
-
 def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: bool = False,
-         mode: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
+         mode: int = 0) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w, launch)` must
     hold; `sms`: the device's multiprocessors; `pdl`: launched with PDL, as kernels/launch.py's
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
     measurement variants, not the product, 3 and 4 the tiles' product with L2 prefetching and with copies
-    that read whole 32-byte sectors, 5 a measurement of tile-contiguous copies). `counters`
-    (`split_counters`): tiles of a split K add their slices in the product kernel, in the order
-    the second kernel that adds them otherwise does (the same result, one launch fewer)."""
+    that read whole 32-byte sectors)."""
     rows, warps, split, per_sm = launch
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     # the launcher allocates the float32 partials of a K split (it settles the split), so y stands
-    # for the partials buffer here, and for the counters where there are none (a bf16 tensor: unused)
-    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, y, y if counters is None else counters, rows, warps,
-                         split, mode, per_sm * sms, pdl)
+    # for the partials buffer here
+    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, y, rows, warps, split, mode, per_sm * sms, pdl)
     return y
 
 

@@ -73,8 +73,6 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     sms = torch.cuda.get_device_properties(w0.device).multi_processor_count
     dense = dequantize(w0)
     plan: dict[int, dict | None] = {}
-    # the tiles' counters for a split K, shared by this plan's launches (one forward's, in turn)
-    counters = nf4_cuda.split_counters(n, w0.device) if cuda else None
 
     def good(x, cfg) -> bool:
         try:
@@ -112,14 +110,13 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
                 if not nf4_cuda.fits(x, w0, launch):
                     continue
                 try:
-                    if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl, counters=counters), want):
+                    if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl), want):
                         continue
                 except RuntimeError:  # a launch this GPU refuses (resources)
                     continue
-                t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms, pdl, counters=counters)
-                                                    for w in weights], reps=3)
+                t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms, pdl) for w in weights], reps=3)
                 if best is None or t < best:
-                    best, plan[m] = t, {"cuda": launch, "counters": counters}
+                    best, plan[m] = t, {"cuda": launch}
     rows = max(NF4_CANDIDATES)
     while rows < MAX_KERNEL_ROWS:  # launch_for's tiles of 64 rows, or the weight dequantized for the library
         rows *= 2

@@ -89,8 +89,7 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     table address) and one shared-memory load, four per mma of 16 x 16 weights; no spills or local
     memory. The loop holds the copies' move to the next work item (a division by the items per tile,
     taken once per item), so its budget is 3.5 instructions per weight a lane multiplies, all paths
-    counted; the loop over work items around it has no local memory either, and shuffles only where
-    the dense tiles' last slice of a split K learns that it is the last (one per item)."""
+    counted; the loop over work items around it has no local memory either."""
     log, sass = built
     assert re.search(kernel, log)
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(rf"\s*\.text\.\S*{kernel}", p))
@@ -101,10 +100,7 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     assert mmas == 8 and inner["PRMT"] == 4 * mmas and inner["LDS"] >= 4 * mmas, inner
     assert inner["LDS.64"] == 6 and inner["LDGSTS.E"] == 3 and inner["LDGDEPBAR"] == 1 and inner["DEPBAR.LE"] == 1
     assert inner["LDG.E"] == (4 if kernel.startswith("nf4_gemv_table_kernel") else 5), inner
-    assert not any(op.startswith(("LDL", "STL")) for loop in loops for op in loop), loops
-    assert not any(op.startswith("SHFL") for op in inner), inner
-    # per work item, at most the one shuffle that hands lane 0's count of a split K's finished slices on
-    assert sum(n for op, n in loops[1].items() if op.startswith("SHFL")) <= 1, loops[1]
+    assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
     assert sum(inner.values()) <= 3.5 * weights, sum(inner.values()) / weights
 

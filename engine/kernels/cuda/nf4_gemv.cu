@@ -584,17 +584,13 @@ __device__ __forceinline__ void run_tiles(const Work& params, const float* __res
 
 // y [M, N] = x [M, K] @ W^T: item tile / splits takes rows 16 tile .. 16 tile + 15 (rows past N
 // repeat its last) over K slice item % splits; lane l's x row is min(l / 4, M - 1) (the mma's
-// column l / 4). Where K is split, each slice writes its float32 partials; with `counters` (one
-// per tile, zero between launches) the warp that stores a tile's last slice adds the tile's
-// partials in slice order, writes y and sets the tile's counter back to zero, so that no second
-// kernel adds them (without, sum_splits_kernel does, in the same order: the same y).
+// column l / 4).
 struct DenseTiles {
   const __nv_bfloat16* x;
   const uint8_t* packed;
   const float* absmax;
   float* partial;  // [splits, M, N] float32 where K is split
   __nv_bfloat16* y;
-  unsigned int* counters;  // [tiles] or nullptr
   int n, m, stride_x, stride_p, stride_s, groups, groups_per_split, splits;
   static constexpr bool kRowsBeforeWait = true;
   static constexpr int kScratch = 0;
@@ -623,22 +619,6 @@ struct DenseTiles {
         if (ra < n) y[(size_t)col * n + ra] = __float2bfloat16(acc[j]);
         if (rb < n) y[(size_t)col * n + rb] = __float2bfloat16(acc[2 + j]);
       }
-    }
-    if (splits > 1 && counters != nullptr) {
-      __threadfence();  // this slice's partials, seen by whichever warp adds the tile's
-      __syncwarp();
-      unsigned int done = 0;
-      if (lane == 0) done = atomicAdd(counters + tile, 1u);
-      if (__shfl_sync(0xffffffffu, done, 0) != (unsigned int)splits - 1) return;
-      __threadfence();  // every other slice's partials, read past L1 below
-      for (int e = lane; e < 16 * m; e += 32) {  // the tile's rows (e % 16) of each x row (e / 16)
-        const int r = 16 * tile + (e & 15), col = e >> 4;
-        if (r >= n) continue;
-        float v = 0.f;
-        for (int s = 0; s < splits; ++s) v += __ldcg(partial + ((size_t)s * m + col) * n + r);
-        y[(size_t)col * n + r] = __float2bfloat16(v);
-      }
-      if (lane == 0) counters[tile] = 0u;
     }
   }
 };
@@ -949,13 +929,10 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // `blocks` blocks (one per SM at most: the table takes 64 KiB of shared memory at a 64 KiB boundary and each warp's ring 6.75 KiB), `split` 0 for the
 // K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
-// copies that read whole sectors, 5 (tiles) the measurement with tile-contiguous copies. `counters`:
-// where it is an int32 tensor of at least one zero per tile of 16 rows on x's device, tiles of a
-// split K add their slices themselves (DenseTiles) and leave it zero; any other tensor: not used.
-// `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
+// copies that read whole sectors. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
-              torch::Tensor partial, torch::Tensor counters, int64_t rows, int64_t warps, int64_t split, int64_t mode,
-              int64_t blocks, bool pdl) {
+              torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
+              bool pdl) {
   const int n = packed.size(0), k = x.size(-1), m = x.size(0);
   check_weight(packed, absmax, code, n, k);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && m >= 1 &&
@@ -999,17 +976,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int per = (stages + split - 1) / split * STAGE_GROUPS;
     split = (groups + per - 1) / per;
     part = partials(split);
-    // the tiles add their own slices where the caller gave counters for them (int32, one per tile,
-    // zero, on x's device): no sum_splits_kernel then
-    unsigned int* count = nullptr;
-    if (split > 1 && counters.scalar_type() == torch::kInt && counters.is_contiguous() &&
-        counters.numel() >= tiles && counters.device() == x.device()) {
-      count = reinterpret_cast<unsigned int*>(counters.data_ptr<int>());
-    }
-    const DenseTiles work{xp, pp, sp, part, yp, count, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups,
-                          per, static_cast<int>(split)};
+    const DenseTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per,
+                          static_cast<int>(split)};
     const int64_t items = static_cast<int64_t>(tiles) * split;
-    if (count != nullptr) split = 1;  // the slices summed by the tiles: no second kernel
     if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
