@@ -27,9 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
-# tile launches: 8 to 20 warps per SM (20: the most whose rings fit beside the table), K split to
-# spread the work
-TILE_LAUNCHES = ((16, 8, 0, 1), (16, 12, 0, 1), (16, 16, 0, 1), (16, 20, 0, 1))
+# tile launches: 8, 12 and 16 warps per SM, K split to spread the work
+TILE_LAUNCHES = ((16, 8, 0, 1), (16, 12, 0, 1), (16, 16, 0, 1))
 # the launches the plans time: at one row the fastest per Gemma-3 4B projection on an H200 (python
 # -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up; at 1-8
 # rows the tensor-core tiles
@@ -125,7 +124,7 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
 
 # the experts' tile launches (warps per block, blocks per SM) the plans, the GPU tests and
 # `bench.tune_kernels --experts --nf4` run, where the GPU holds them (`experts_fit`)
-EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1), (20, 1))
+EXPERT_LAUNCHES = ((8, 1), (12, 1), (16, 1))
 
 
 def experts_fit(x: torch.Tensor, gate_up, down, launch: tuple[int, int] | None = None, top_k: int = 1) -> bool:

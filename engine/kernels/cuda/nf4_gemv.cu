@@ -242,8 +242,6 @@ constexpr int STAGE_BYTES = STAGE_GROUPS * (16 * 32 + 16 * 4);
 constexpr int STAGE_SCALES = STAGE_GROUPS * 16 * 32;  // the absmax's offset in a stage
 constexpr int RING_BYTES = RING_STAGES * STAGE_BYTES;
 constexpr int SCRATCH_BYTES = 8 * 1024;  // the experts' own shared memory (PairSlots)
-// the most warps a block of tiles takes: the table, 20 rings and the scratch fit Hopper's 227 KiB
-constexpr int MAX_TILE_WARPS = 20;
 
 // Where a block's shared memory holds what, as offsets from its base, given `pad` (the bytes from
 // the base to the table, which starts at a 64 KiB boundary of the shared window): the scratch
@@ -626,7 +624,7 @@ struct DenseTiles {
 };
 
 template <int MODE>
-__global__ void __launch_bounds__(32 * MAX_TILE_WARPS, 1) nf4_gemv_table_kernel(const DenseTiles work, const float* __restrict__ code) {
+__global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles work, const float* __restrict__ code) {
   run_tiles<MODE>(work, code);
 }
 
@@ -799,12 +797,12 @@ struct ExpertDownTiles {
   }
 };
 
-__global__ void __launch_bounds__(32 * MAX_TILE_WARPS, 1) nf4_expert_gate_up_kernel(const ExpertGateUpTiles work,
+__global__ void __launch_bounds__(512, 1) nf4_expert_gate_up_kernel(const ExpertGateUpTiles work,
                                                                     const float* __restrict__ code) {
   run_tiles<0>(work, code);
 }
 
-__global__ void __launch_bounds__(32 * MAX_TILE_WARPS, 1) nf4_expert_down_kernel(const ExpertDownTiles work,
+__global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDownTiles work,
                                                                  const float* __restrict__ code) {
   run_tiles<0>(work, code);
 }
@@ -884,8 +882,8 @@ void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, cons
               "an NF4 weight: packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32, K a multiple of 64");
 }
 
-static_assert(tile_smem(MAX_TILE_WARPS, SCRATCH_BYTES) <= 227 * 1024,
-              "the table, the most warps' rings and the scratch fit one block's shared memory (Hopper)");
+static_assert(tile_smem(16, SCRATCH_BYTES) <= 227 * 1024,
+              "the table, 16 warps' rings and the scratch fit one block's shared memory (Hopper)");
 
 // A tile kernel (one block per SM at most, `warps` warps each: the table, their rings and the Work's
 // scratch) for `items` work items, with its opt-in to more than 48 KiB of dynamic shared memory made
@@ -894,11 +892,10 @@ static_assert(tile_smem(MAX_TILE_WARPS, SCRATCH_BYTES) <= 227 * 1024,
 template <class Work>
 void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64_t warps, int64_t blocks,
                   const torch::Device& device, cudaStream_t stream, bool pdl, const Work& work, const float* code) {
-  TORCH_CHECK(blocks > 0 && warps >= 1 && warps <= MAX_TILE_WARPS, "tiles on tensor cores: 1-", MAX_TILE_WARPS,
-              " warps in 1 or more blocks");
-  static const std::array<int, MAX_TILE_WARPS + 1> smem_for = [] {  // by warps (tile_smem scans every alignment)
-    std::array<int, MAX_TILE_WARPS + 1> t{};
-    for (int w = 1; w <= MAX_TILE_WARPS; ++w) t[w] = tile_smem(w, Work::kScratch);
+  TORCH_CHECK(blocks > 0 && warps >= 1 && warps <= 16, "tiles on tensor cores: 1-16 warps in 1 or more blocks");
+  static const std::array<int, 17> smem_for = [] {  // by warps (tile_smem scans every alignment)
+    std::array<int, 17> t{};
+    for (int w = 1; w <= 16; ++w) t[w] = tile_smem(w, Work::kScratch);
     return t;
   }();
   const int smem = smem_for[warps];
@@ -911,7 +908,7 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
       int optin = 0;
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          std::min(optin, smem_for[MAX_TILE_WARPS])));
+                                          std::min(optin, smem_for[16])));
       opted_in.insert(key);
     }
   }
