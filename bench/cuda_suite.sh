@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -171,6 +171,23 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     else stage_decode gemma4-26b-a4b before; fi ;;
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
     for side in after before; do stage_decode gemma3-4b $side; done ;;
+  nf4-figures)  # the 4-bit figures the GPU issue's targets name: decode of Gemma-3 4B (N=1, 8, 64)
+    # and of the 26B-A4B shape (N=1, 8), then Gemma-3 4B in 4 bits through the server at 8 and 64
+    # streams against the engine alone (SERVE_FIRST=1: the served run first)
+    nf4_decode() {
+      timeout "$3" python3 -m bench.throughput --shape "$1" --dtype bfloat16 --weights bnb-4bit --layers fused \
+        --policies s5 --n $2 --no-quality --out "$OUT" --tag nf4-figures 2>&1 \
+        | tee "$OUT/throughput-$1-nf4-figures.log" | tail -5
+    }
+    nf4_served() {
+      timeout 230 python3 -m bench.serve --shape gemma3-4b ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
+        --dtype bfloat16 --quantization bnb-4bit --n 8 64 --new-tokens 512 --client-procs 8 --out "$OUT" \
+        --tag served-bnb4 2>&1 | tee "$OUT/serve-gemma3-4b-served-bnb4.log" | grep -v "^INFO" | tail -24
+    }
+    [ "${SERVE_FIRST:-0}" = 1 ] && nf4_served
+    nf4_decode gemma3-4b "1 8 64" 150
+    nf4_decode gemma4-26b-a4b "1 8" 200
+    [ "${SERVE_FIRST:-0}" = 1 ] || nf4_served ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
     # Triton kernels serve), same run
