@@ -172,8 +172,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
     for side in after before; do stage_decode gemma3-4b $side; done ;;
   nf4-figures)  # the 4-bit figures the GPU issue's targets name: decode of Gemma-3 4B (N=1, 8, 64)
-    # and of the 26B-A4B shape (N=1, 8), then Gemma-3 4B in 4 bits through the server at 8 and 64
-    # streams against the engine alone (SERVE_FIRST=1: the served run first)
+    # and of the 26B-A4B shape (N=1, 8), and Gemma-3 4B in 4 bits through the server at 8 and 64
+    # streams against the engine alone; STEPS: which of 4b, 26b, served, in that order
     nf4_decode() {
       timeout "$3" python3 -m bench.throughput --shape "$1" --dtype bfloat16 --weights bnb-4bit --layers fused \
         --policies s5 --n $2 --no-quality --out "$OUT" --tag nf4-figures 2>&1 \
@@ -184,10 +184,13 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
         --dtype bfloat16 --quantization bnb-4bit --n 8 64 --new-tokens 512 --client-procs 8 --out "$OUT" \
         --tag served-bnb4 2>&1 | tee "$OUT/serve-gemma3-4b-served-bnb4.log" | grep -v "^INFO" | tail -24
     }
-    [ "${SERVE_FIRST:-0}" = 1 ] && nf4_served
-    nf4_decode gemma3-4b "1 8 64" 150
-    nf4_decode gemma4-26b-a4b "1 8" 200
-    [ "${SERVE_FIRST:-0}" = 1 ] || nf4_served ;;
+    for step in ${STEPS:-4b 26b served}; do
+      case $step in
+        4b) nf4_decode gemma3-4b "1 8 64" 150 ;;
+        26b) nf4_decode gemma4-26b-a4b "1 8" 200 ;;
+        served) nf4_served ;;
+      esac
+    done ;;
   nf4-cuda-throughput)  # the one-row CUDA kernel's GPU tests and the NF4 plans', then 4-bit decode at
     # N=1 with it in the plans and without it (CUDA_HOME pointing nowhere: the build fails, the
     # Triton kernels serve), same run
