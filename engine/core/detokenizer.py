@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens already turned into text
         self.text = ""  # text emitted so far
         self._held = ""  # decoded but not yet emitted (possible stop-string prefix)
+        self.stopped = False  # a stop string was hit
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -72,6 +73,7 @@ class IncrementalDetokenizer:
             out = cand[:cut]
             self.text += out
             self._held = ""
+            self.stopped = True
             return out, True
         hold = 0
         for s in self.stop:
@@ -89,3 +91,15 @@ class IncrementalDetokenizer:
         out, self._held = self._held, ""
         self.text += out
         return out
+
+
+def visible_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, str]:
+    """For a completion `ids` that a stop string ended, and `text`, what was emitted for it (the
+    stop string and what came after it dropped): how many of the tokens lie wholly within the text,
+    and the text after them (the start of the token the stop string cut, if it began inside one).
+    The stop string ends the completion, so the scan from its end decodes few prefixes."""
+    for k in range(len(ids), 0, -1):
+        s = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if text.startswith(s) and not s.endswith(REPLACEMENT):
+            return k, text[len(s):]
+    return 0, text

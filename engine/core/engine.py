@@ -14,6 +14,11 @@ there as a request of its own (`fork_id`): the prompt is prefilled once.
 A turn with `max_tokens` 0 is an append: its forward computes every token it feeds, nothing is
 sampled, and the history it commits ends with a computed token.
 
+A turn that a stop string ends commits the text the client got: its tokens up to the stop string,
+and the tokens of the text of the one the stop string cut, if it began inside one. Where the row
+computed a token past that (a stop string of several tokens), the turn's forwards are rolled back
+and the next turn prefills its tokens.
+
 Steady decoding overlaps the host with the device (`EngineConfig.overlap_steps`): while every
 running request decodes, the next static decode step is launched, its tokens read on the device
 (greedy picks, or each sampling row's draw), before the host applies the step before it
@@ -34,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.config import EngineConfig
+from engine.core.detokenizer import visible_prefix
 from engine.core.ahead import AheadSteps
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.responses import ResponseStore
@@ -446,23 +452,47 @@ class Engine:
             if live.row is not None:
                 self.pool.free_row(live.row)
         elif reason in (FinishReason.STOP, FinishReason.LENGTH):
-            new = list(live.request.prompt_token_ids) + live.output_ids
-            last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
-            # the last sampled token is not fed (the next turn feeds it); an append sampled none
-            self.sessions.commit_turn(session, live.history_len, new, last_prefill, max(len(live.output_ids) - 1, 0))
-            self.pool.trim(live.row)
+            kept, pending, computed_kept = self._turn_output(live)
+            new = list(live.request.prompt_token_ids) + kept + pending
+            if computed_kept:
+                last_prefill = len(live.feed) - (live.forward_ends[-1] if live.forward_ends else 0)
+                # the last sampled token is not fed (the next turn feeds it); an append sampled none
+                self.sessions.commit_turn(session, live.history_len, new, last_prefill,
+                                          max(len(live.output_ids) - 1, 0))
+                self.pool.trim(live.row)
+            else:  # the row computed tokens the history does not keep: the next turn prefills this one's
+                self._roll_back(live, session)
+                self.sessions.commit_turn(session, live.history_len, new, 0, 0)
         elif live.row is not None:  # abort or error: back to the last completed turn
-            if live.row_is_new:
-                self.pool.free_row(live.row)
-                session.row = None
-            else:
-                self.pool.restore(live.row, live.snapshot)
+            self._roll_back(live, session)
         if session is not None:
             session.busy = None
             session.last_used = time.monotonic()
             self.sessions.end_turn(session)
         new_ids = [last_token] if last_token is not None else []
         return self._output(live, new_ids, reason, error, logprobs)
+
+    def _turn_output(self, live: LiveRequest) -> tuple[list[int], list[int], bool]:
+        """A session turn's output as its history keeps it: the text the client got. Its sampled
+        tokens; or, where a stop string ended it, those wholly before the stop string and the
+        tokens of the text of the one it cut (`pending`: the next turn feeds them). And whether
+        the row computed only kept tokens (the last sampled token is not fed)."""
+        out = live.output_ids
+        if live.detok is None or not live.detok.stopped:
+            return out, [], True
+        tokenizer = self.planner.tokenizer
+        k, rest = visible_prefix(tokenizer, out, live.detok.text)
+        pending = tokenizer.encode(rest, add_special_tokens=False) if rest else []
+        return out[:k], pending, k >= len(out) - 1
+
+    def _roll_back(self, live: LiveRequest, session: Session) -> None:
+        """A session's row back to where its last completed turn left it (a row taken for this turn
+        is freed: the next turn rebuilds it)."""
+        if live.row_is_new:
+            self.pool.free_row(live.row)
+            session.row = None
+        else:
+            self.pool.restore(live.row, live.snapshot)
 
     def check_invariants(self) -> None:
         """The books balance: the pool's own, rows held by sessions and requests are exactly the

@@ -133,6 +133,8 @@ class RequestPlanner:
             kv_len = session.swapped.kv_len  # the turn brings the row back from host memory
         elif history:  # no row: rebuild it by replaying the forwards that computed the history
             for prefill, decodes in session.forwards:
+                if not prefill:  # a turn whose tokens the next turn's prefill fed: no forward of its own
+                    continue
                 end = forward_ends[-1] if forward_ends else 0
                 forward_ends += [end + prefill, *range(end + prefill + 1, end + prefill + decodes + 1)]
         grammar = None

@@ -1,10 +1,13 @@
 """SessionTable: every session, its owner, its durability and where its row is.
 
-A session's history is every token fed to or produced by the model. Its row holds K/V for all but
-possibly the last one (a sampled token is fed only by the next forward). The table also records
-the logical forwards that computed the history (`forwards`: per turn, one prefill forward and then
-one-token decode forwards), because under restored-S5 the K/V of bounded layers depends on where
-forwards began and ended: a row that was given up is rebuilt exactly by replaying them.
+A session's history is every token fed to the model, and every token it produced that the client
+got: a turn that a stop string ended keeps its output up to the stop string (engine.py). Its row
+holds K/V for all but possibly the last few (a sampled token is fed only by the next forward, and
+a turn whose row computed tokens past its stop string is rolled back, its tokens left for the next
+turn's prefill). The table also records the logical forwards that computed the history
+(`forwards`: per turn, one prefill forward and then one-token decode forwards; (0, 0) for a turn
+rolled back so), because under restored-S5 the K/V of bounded layers depends on where forwards
+began and ended: a row that was given up is rebuilt exactly by replaying them.
 
 Where a session's row is, between turns:
     resident  `row` is set: the row is in the pool
@@ -42,7 +45,7 @@ EVICTED_REMEMBERED = 100_000  # ids of sessions the engine closed, kept to say w
 class Session:
     session_id: str
     owner: str | None = None  # opaque to the engine: the service's tenant, kept with the session
-    # history (the last may be uncomputed); None: still only in the SessionDB (loaded on first use)
+    # history (the last few may be uncomputed); None: still only in the SessionDB (loaded on first use)
     tokens: list[int] | None = field(default_factory=list)
     # the logical forwards that computed tokens[:kv_len]: (prefill, decodes) per turn
     forwards: list[tuple[int, int]] = field(default_factory=list)
