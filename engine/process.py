@@ -178,8 +178,7 @@ class EngineCore:
         checked = False  # invariants checked since the engine last had work
         while self.running:
             busy = engine.has_work()
-            if busy or poller.poll(IDLE_POLL_MS):
-                self._drain(inbox)
+            handled = self._drain(inbox) if busy or poller.poll(IDLE_POLL_MS) else 0
             if not self.running:
                 return
             if engine.has_work():
@@ -192,19 +191,24 @@ class EngineCore:
                 self._check()
                 self._route.clear()
                 self._send([], 0.0, force_stats=True)
+            elif handled:  # idle, and a call may have changed the stats (a session closed, a row released)
+                self._send([], 0.0, force_stats=True)
 
-    def _drain(self, inbox) -> None:
+    def _drain(self, inbox) -> int:
+        """Handles every message waiting; returns how many there were."""
+        handled = 0
         while True:
             try:
                 frame = inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return handled
+            handled += 1
             self._handle(self.decode(frame.buffer))
             if self.engine.ended_between_steps:
                 self._send(self.engine.ended_between_steps, 0.0)
                 self.engine.ended_between_steps = []
             if not self.running:
-                return
+                return handled
 
     def _handle(self, msg) -> None:
         engine = self.engine

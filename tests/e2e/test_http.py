@@ -4,6 +4,7 @@ the openai SDK, sessions (recall, prefix reuse, no re-prefill), cancellation, di
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -238,3 +239,28 @@ def test_time_to_first_token_counts_from_the_submission(server):
     assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished
     assert server.metric("s5_time_to_first_token_seconds_count") == count + 1
     assert server.metric("s5_time_to_first_token_seconds_sum") - total >= held
+
+
+def test_metrics_follow_a_session_closed_while_the_engine_is_idle(server):
+    """Closing a session frees its row, and /metrics says so at once, though no step follows: the
+    idle engine publishes its stats after a call, not only after a step."""
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/generate", json={"input": "Hello", "max_tokens": 2, "stream": False},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+    def wait_for(sessions, rows) -> tuple[float, float]:
+        deadline = time.monotonic() + 3
+        while True:
+            got = server.metric("s5_sessions"), server.metric("s5_kv_rows_used")
+            if got == (sessions, rows) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    server.wait_idle()
+    st = server.stats()
+    assert server.engine("session_info", sid)["kv_tokens"] > 0 and st.num_sessions >= 1 and st.rows_used >= 1
+    before = wait_for(float(st.num_sessions), float(st.rows_used))
+    assert before == (st.num_sessions, st.rows_used)
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+    assert wait_for(before[0] - 1, before[1] - 1) == (before[0] - 1, before[1] - 1)
