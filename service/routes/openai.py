@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models (and a model by name)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,26 @@ from service.turns import (check_model, check_supported, collect_all, finish_rea
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 
+def _model_card(st) -> dict:
+    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "s5serve",
+            "max_model_len": st.max_model_len}
+
+
 @router.get("/models")
 async def models(request: Request, owner: str | None = Depends(tenant)):
     st = request.app.state.s5
     require_ready(st)
-    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "s5serve",
-            "max_model_len": st.max_model_len}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [_model_card(st)]}
+
+
+@router.get("/models/{model:path}")
+async def model(model: str, request: Request, owner: str | None = Depends(tenant)):
+    """The served model's card (a name with slashes, as `org/name`, included)."""
+    st = request.app.state.s5
+    require_ready(st)
+    if model != st.model_name:
+        raise APIError(404, f"model {model!r} not found", "model_not_found", "model")
+    return _model_card(st)
 
 
 def _serving(request: Request, body):

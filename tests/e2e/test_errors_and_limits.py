@@ -162,8 +162,10 @@ def test_auth_matrix(tiny):
     gen_body = {"input": [5, 6], "max_tokens": 2, "stream": False}
     # (method, route path) -> (concrete path, body, owned by the caller's tenant?)
     a_sid = sid_of(A)
+    model = httpx.get(f"{tiny.url}/v1/models", headers=A).json()["data"][0]["id"]
     cases = {
         ("GET", "/v1/models"): ("/v1/models", None, False),
+        ("GET", "/v1/models/{model}"): (f"/v1/models/{model}", None, False),
         ("GET", "/metrics"): ("/metrics", None, False),
         ("POST", "/v1/completions"): ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2}, False),
         ("POST", "/v1/chat/completions"): ("/v1/chat/completions", chat(), False),

@@ -47,6 +47,10 @@ def test_openai_sdk_sync_async_stream_and_not(server):
         usage = ch.usage or usage
     assert "".join(parts) == full.choices[0].message.content and usage.completion_tokens == 6
     assert [m.id for m in client.models.list().data] == ["gemma-3-270m"]
+    assert client.models.retrieve("gemma-3-270m").model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gemma-3-270m-x")
+    assert missing.value.body["code"] == "model_not_found"
     comp = client.completions.create(model="gemma-3-270m", prompt="One, two,", max_tokens=4, temperature=0)
     assert comp.choices[0].text and comp.usage.completion_tokens <= 4
 
