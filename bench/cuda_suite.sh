@@ -173,14 +173,15 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     for side in after before; do stage_decode gemma3-4b $side; done ;;
   nf4-figures)  # the 4-bit figures the GPU issue's targets name: decode of Gemma-3 4B (N=1, 8, 64)
     # and of the 26B-A4B shape (N=1, 8), and Gemma-3 4B in 4 bits through the server at 8 and 64
-    # streams against the engine alone; STEPS: which of 4b, 26b, served, in that order
+    # streams against the engine alone (the engine and the server each build and quantize the
+    # model: about 400 s on an H100); STEPS: which of 4b, 26b, served, in that order
     nf4_decode() {
       timeout "$3" python3 -m bench.throughput --shape "$1" --dtype bfloat16 --weights bnb-4bit --layers fused \
         --policies s5 --n $2 --no-quality --out "$OUT" --tag nf4-figures 2>&1 \
         | tee "$OUT/throughput-$1-nf4-figures.log" | tail -5
     }
     nf4_served() {
-      timeout 230 python3 -m bench.serve --shape gemma3-4b ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
+      timeout "${SERVE_TIMEOUT:-400}" python3 -m bench.serve --shape gemma3-4b ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
         --dtype bfloat16 --quantization bnb-4bit --n 8 64 --new-tokens 512 --client-procs 8 --out "$OUT" \
         --tag served-bnb4 2>&1 | tee "$OUT/serve-gemma3-4b-served-bnb4.log" | grep -v "^INFO" | tail -24
     }
