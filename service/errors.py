@@ -6,6 +6,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engine.core.types import EngineError
 
@@ -60,7 +61,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     the field it is about; the body itself when it is not JSON or not an object."""
     first = errors[0] if errors else {}
     kind = first.get("type")
-    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    where_in = first.get("loc", [])
+    if where_in and where_in[0] in ("body", "query", "path", "header"):  # the field alone, as OpenAI names it
+        where_in = where_in[1:]
+    loc = [str(x) for x in where_in]
     if kind == "json_invalid":
         reason = (first.get("ctx") or {}).get("error") or "cannot be decoded"
         at = first.get("loc", [None])[-1]
@@ -102,11 +106,23 @@ def install(app) -> None:
         msg = str(exc.detail)
         if status == 404 and msg == "Not Found":  # no such route (routes' own 404s are APIErrors)
             msg = f"no route {route}"
-        elif status == 405:
-            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
-            msg = f"method {request.method} is not allowed on {request.url.path}" + (
-                f" (allowed: {allowed})" if allowed else "")
-        return JSONResponse(envelope(status, msg, code), status, headers=exc.headers)
+        headers = exc.headers
+        if status == 405:  # the router names the first route of the path; Allow lists every route's
+            allowed = ", ".join(_methods_of(request))
+            headers = {**{k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}, "Allow": allowed}
+            msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        return JSONResponse(envelope(status, msg, code), status, headers=headers)
+
+
+METHODS = ("DELETE", "GET", "PATCH", "POST", "PUT")
+
+
+def _methods_of(request: Request) -> list[str]:
+    """The methods the app's routes take at this request's path (each asked of the router as a
+    request of that method would be)."""
+    routes = request.app.router.routes
+    return [m for m in METHODS
+            if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)]
 
 
 def _is_json(content_type: str) -> bool:

@@ -35,6 +35,12 @@ UNSUPPORTED: dict[str, Any] = {
 }
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool | None = None  # a last chunk with the usage, and `usage: null` on the others
+
+
 class _Body(BaseModel):
     # strict: a number or boolean of another type ("5", 5.0 for an integer; "yes", 1 for a
     # boolean) is refused, as OpenAI refuses it, rather than coerced (an integer is a number)
@@ -49,7 +55,7 @@ class _Body(BaseModel):
     seed: int | None = Field(None, **INT64)
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
@@ -97,7 +103,7 @@ class _Body(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
 
 
 class ContentPart(BaseModel):

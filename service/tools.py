@@ -27,6 +27,7 @@ call because a small model that may add calls tends to repeat its call until max
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ from typing import Any
 from service.errors import APIError, valid_text
 from service.schemas import Message
 from service.structured import JSON_OPTIONS, json_grammar
+
+# a function's name, as OpenAI takes it
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 PARAM = "tools"
 ANY_ARGS = {"type": "object"}
@@ -91,6 +95,9 @@ def setup_of(body) -> ToolSetup | None:
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad(PARAM, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        if not FUNCTION_NAME.fullmatch(fn["name"]):
+            raise _bad(PARAM, f"tools[{i}].function.name must be 1-64 letters, digits, underscores or dashes, "
+                              f"not {fn['name']!r}")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise _bad(PARAM, f"tools[{i}].function.parameters must be a JSON schema object")

@@ -79,7 +79,13 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     history_len, ids = await _turn_input(st, session_id, owner, body, append)
     if not ids:
         raise APIError(400, "input is empty", "invalid_request", "input")
-    turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False, expect_history_len=history_len)
+    try:
+        turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False,
+                                expect_history_len=history_len)
+    except APIError as err:  # the engine names a turn's input `prompt`; this route's field is another
+        if err.param == "prompt":
+            err.param = "input" if body.input is not None else "messages"
+        raise
     headers = {"X-Request-Id": turn.request_id}
 
     async def final(out) -> dict:

@@ -107,6 +107,22 @@ MATRIX = [
     ("prompt_logprobs", "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "unsupported_parameter"),
     ("best_of", "POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
     ("session tools", "POST", "/v1/sessions/{sid}/generate", {"input": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("include_usage a string", "POST", "/v1/chat/completions",
+     chat(stream=True, stream_options={"include_usage": "yes"}), 400, "invalid_request"),
+    ("tool name with a space", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "invalid_request"),
+]
+
+# (method, path, body, param): the error names the field as the request spells it
+PARAMS = [
+    ("POST", "/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("POST", "/v1/sessions/{sid}/generate", {"input": [-1]}, "input"),
+    ("POST", "/v1/sessions/{sid}/generate", {"input": "hi", "max_tokens": -1}, "max_tokens"),
+    ("GET", "/v1/responses/resp_x/input_items?limit=abc", None, "limit"),
+    ("POST", "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage"),
+    ("POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+    ("POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
 ]
 
 
@@ -135,6 +151,17 @@ def test_validation_matrix(server):
     assert server.engine("session_tokens", sid, None) == []  # nothing the bad turns asked for stuck
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200  # still serving
+
+
+@pytest.mark.slow
+def test_errors_name_the_field_as_the_request_spells_it(server):
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    got = []
+    for method, path, body, param in PARAMS:
+        r = httpx.request(method, server.url + path.format(sid=sid), json=body, timeout=30)
+        got.append((path, r.status_code, r.json()["error"]["param"]))
+    assert got == [(path, 400, param) for _, path, _, param in PARAMS]
+    assert server.engine("session_tokens", sid, None) == []
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,11 @@ def test_wrong_method_and_unknown_route(client):
                                   "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}}
     r = client.delete("/v1/models")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    # a path that two routes serve: Allow names both methods (RFC 9110), not the first route's
+    for path in ("/v1/sessions/x", "/v1/responses/resp_x"):
+        r = client.put(path)
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", (path, r.headers)
+        assert r.json()["error"]["message"].endswith("(allowed: DELETE, GET)")
     r = client.get("/v1/nothing")
     assert r.status_code == 404
     assert r.json() == {"error": {"message": "no route GET /v1/nothing", "type": "not_found_error", "param": None,
