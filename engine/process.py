@@ -176,13 +176,17 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(inbox, zmq.POLLIN)
         checked = False  # invariants checked since the engine last had work
+        published = False  # stats sent since the engine last had work
         while self.running:
             busy = engine.has_work()
+            if not busy and not published:  # gone idle: the stats say so before the wait for a message
+                published = True
+                self._send([], 0.0, force_stats=True)
             handled = self._drain(inbox) if busy or poller.poll(IDLE_POLL_MS) else 0
             if not self.running:
                 return
             if engine.has_work():
-                checked = False
+                checked = published = False
                 t0 = time.perf_counter()
                 outs = engine.step()
                 self._send(outs, time.perf_counter() - t0)

@@ -89,6 +89,36 @@ async def test_a_refused_request_changes_nothing_and_sessions_answer_only_their_
         await client.shutdown()
 
 
+async def test_the_published_stats_follow_the_engine_without_waiting_for_a_step():
+    """The snapshot the engine publishes (what /metrics shows) says a finished request is gone as
+    soon as the engine is idle, not after its wait for the next message (half a second), and a
+    closed session as soon as it is closed, though no step follows."""
+    client = EngineClient(CONFIG)
+    await client.start()
+    loop = asyncio.get_running_loop()
+
+    async def until(ok, within: float) -> float:
+        t0 = loop.time()
+        while not (client.stats is not None and ok(client.stats)):
+            assert loop.time() - t0 < within, client.stats
+            await asyncio.sleep(0.005)
+        return loop.time() - t0
+
+    try:
+        for i in range(4):
+            await _tokens(await client.generate(Request(f"r{i}", [2, 17, 33, 5], greedy(3))))
+            await until(lambda st: st.num_running == 0 and st.num_waiting == 0, 0.3)
+        sid = await client.create_session()
+        await _tokens(await client.generate(Request("turn", [2, 17, 33], greedy(3), session_id=sid)))
+        held = await _idle(client)
+        assert held.num_sessions == 1 and held.rows_used == 1
+        await until(lambda st: st.num_sessions == 1 and st.rows_used == 1, 3.0)
+        assert await client.close_session(sid)
+        await until(lambda st: st.num_sessions == 0 and st.rows_used == 0, 3.0)
+    finally:
+        await client.shutdown()
+
+
 async def test_a_killed_engine_ends_every_stream_and_call():
     deaths = []
     client = EngineClient(CONFIG, on_death=deaths.append)
