@@ -13,11 +13,14 @@ once; each face only does the I/O.
             print(text, end="", flush=True)
 
 Leaving a `generate` iterator early closes the stream, which cancels the turn on the server
-(the session rolls back to its last completed turn). Errors raise `S5Error` subclasses.
+(the session rolls back to its last completed turn). The server's errors raise `S5Error`
+subclasses, and so does a server that cannot be reached (`ConnectionFailed`). The streaming calls
+yield one completion's text: they take neither `stream` nor `n` > 1 (TypeError, ValueError).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
@@ -39,6 +42,7 @@ class SessionEvicted(S5Error): ...
 class RateLimited(S5Error): ...
 class Unavailable(S5Error): ...
 class GenerationFailed(S5Error): ...
+class ConnectionFailed(S5Error): ...  # the server was not reached, or the connection broke (status 0)
 
 
 _BY_STATUS = {400: BadRequest, 401: AuthenticationError, 404: NotFound, 409: SessionBusy,
@@ -49,6 +53,15 @@ def _error(status: int, body: Any) -> S5Error:
     err = body.get("error", {}) if isinstance(body, dict) else {}
     cls = _BY_STATUS.get(status, S5Error)
     return cls(status, err.get("code") or "error", err.get("message") or str(body))
+
+
+@contextlib.contextmanager
+def _reaching():
+    """A transport failure (refused, reset, timed out) as the SDK's error."""
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise ConnectionFailed(0, "connection_failed", f"{type(exc).__name__}: {exc}") from exc
 
 
 class SSEParser:
@@ -89,12 +102,27 @@ def parse_sse(lines: Iterable[str]) -> Iterator[Any]:
 # ---- what each call sends and how its answer reads: one implementation for both faces --------
 def _session_body(input: str | list[int] | None, messages: list[dict] | None, params: dict,
                   stream: bool = True) -> dict:
-    body = {"stream": stream, **params}
+    """A turn's body: input or messages as given (the server refuses both, or neither)."""
+    _check_streamed("generate()", params)
+    body = {**params, "stream": stream}
+    if input is not None:
+        body["input"] = input
     if messages is not None:
         body["messages"] = messages
-    else:
-        body["input"] = input
     return body
+
+
+def _streamed_body(call: str, key: str, value: Any, params: dict) -> dict:
+    _check_streamed(call, params)
+    return {key: value, **params, "stream": True}
+
+
+def _check_streamed(call: str, params: dict) -> None:
+    """The streaming calls yield one completion's text deltas."""
+    if "stream" in params:
+        raise TypeError(f"{call} streams its reply: it takes no `stream` parameter")
+    if params.get("n", 1) != 1:
+        raise ValueError(f"{call} streams one completion; for n > 1 use /v1/completions or /v1/chat/completions")
 
 
 def _session_text(session: "Session | AsyncSession", ev: dict) -> str | None:
@@ -161,13 +189,14 @@ class Client:
         self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
     def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        r = self.http.request(method, path, json=body)
+        with _reaching():
+            r = self.http.request(method, path, json=body)
         if r.status_code >= 400:
             raise _error(r.status_code, _safe_json(r))
         return r.json()
 
     def _stream(self, path: str, body: dict) -> Iterator[Any]:
-        with self.http.stream("POST", path, json=body) as r:
+        with _reaching(), self.http.stream("POST", path, json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 raise _error(r.status_code, _safe_json(r))
@@ -179,14 +208,14 @@ class Client:
 
     def chat(self, messages: list[dict], **params: Any) -> Iterator[str]:
         """Stateless streaming chat completion: text deltas."""
-        for ch in self._stream("/v1/chat/completions", {"messages": messages, "stream": True, **params}):
+        for ch in self._stream("/v1/chat/completions", _streamed_body("chat()", "messages", messages, params)):
             text = _chat_text(ch)
             if text:
                 yield text
 
     def complete(self, prompt: str | list[int], **params: Any) -> Iterator[str]:
         """Stateless streaming text completion: text deltas."""
-        for ch in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **params}):
+        for ch in self._stream("/v1/completions", _streamed_body("complete()", "prompt", prompt, params)):
             text = _completion_text(ch)
             if text:
                 yield text
@@ -261,22 +290,24 @@ class AsyncClient:
         self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        r = await self.http.request(method, path, json=body)
+        with _reaching():
+            r = await self.http.request(method, path, json=body)
         if r.status_code >= 400:
             raise _error(r.status_code, _safe_json(r))
         return r.json()
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[Any]:
-        async with self.http.stream("POST", path, json=body) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                raise _error(r.status_code, _safe_json(r))
-            parser = SSEParser()
-            async for line in r.aiter_lines():
-                for item in parser.feed(line):
-                    yield item
-                if parser.done:
-                    return
+        with _reaching():
+            async with self.http.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _error(r.status_code, _safe_json(r))
+                parser = SSEParser()
+                async for line in r.aiter_lines():
+                    for item in parser.feed(line):
+                        yield item
+                    if parser.done:
+                        return
 
     def create_session(self) -> _NewAsyncSession:
         """`s = await client.create_session()`, or `async with client.create_session() as s:`."""
@@ -284,14 +315,14 @@ class AsyncClient:
 
     async def chat(self, messages: list[dict], **params: Any) -> AsyncIterator[str]:
         """Stateless streaming chat completion: text deltas."""
-        async for ch in self._stream("/v1/chat/completions", {"messages": messages, "stream": True, **params}):
+        async for ch in self._stream("/v1/chat/completions", _streamed_body("chat()", "messages", messages, params)):
             text = _chat_text(ch)
             if text:
                 yield text
 
     async def complete(self, prompt: str | list[int], **params: Any) -> AsyncIterator[str]:
         """Stateless streaming text completion: text deltas."""
-        async for ch in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **params}):
+        async for ch in self._stream("/v1/completions", _streamed_body("complete()", "prompt", prompt, params)):
             text = _completion_text(ch)
             if text:
                 yield text

@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from service.client import AsyncClient, Client, NotFound
+from service.client import AsyncClient, BadRequest, Client, ConnectionFailed, NotFound
+from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
 GREEDY = dict(max_tokens=7, temperature=0)
@@ -47,3 +48,38 @@ def test_sync_and_async_faces_answer_alike(server):
     assert reply == a_reply == sync_chat == a_chat == "The capital of France is Paris."
     assert sync_complete == a_complete and sync_complete.startswith(" the capital of")
     assert sync_last["completion_tokens"] == a_last["completion_tokens"] == 7
+
+
+def test_misuse_and_an_unreachable_server_raise_at_once(server):
+    """The streaming calls yield one completion's text: `stream` or n > 1 is refused before a
+    request is sent (a non-streamed turn would commit a reply the caller never sees; the choices
+    of n would interleave). Input and messages both go to the server, which refuses them. A
+    server that cannot be reached raises the SDK's ConnectionFailed on both faces."""
+    with Client(server.url) as client:
+        with pytest.raises(ValueError):
+            list(client.complete("x", n=2, max_tokens=2))
+        with pytest.raises(TypeError):
+            list(client.chat(QUESTION, stream=False))
+        with client.create_session() as s:
+            with pytest.raises(TypeError):
+                list(s.generate("Hello", stream=False, max_tokens=2))
+            with pytest.raises(BadRequest, match="exactly one of input or messages"):
+                list(s.generate("hi", messages=QUESTION, max_tokens=2))
+            assert s.info()["history_tokens"] == 0  # nothing was committed
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=5) as nobody:
+        with pytest.raises(ConnectionFailed):
+            nobody.create_session()
+        with pytest.raises(ConnectionFailed):
+            list(nobody.complete("x"))
+
+    async def run():
+        async with AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=5) as nobody:
+            with pytest.raises(ConnectionFailed):
+                await nobody.create_session()
+            with pytest.raises(ConnectionFailed):
+                [t async for t in nobody.chat(QUESTION)]
+        async with AsyncClient(server.url) as client:
+            with pytest.raises(ValueError):
+                [t async for t in client.complete("x", n=3)]
+
+    asyncio.run(run())
