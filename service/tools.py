@@ -219,6 +219,38 @@ def parse_calls(text: str, setup: ToolSetup) -> list[dict] | None:
     return calls
 
 
+# the start of a call line as the grammar writes it: its name, then (once written) the arguments' key
+_CALL_START = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(,\s*"arguments"\s*:\s*)?')
+
+
+def cut_calls(text: str, setup: ToolSetup) -> list[dict] | None:
+    """A forced call that max_tokens cut short, as the calls it began: each line's function and
+    its arguments' text so far (unfinished JSON, as OpenAI sends a call cut short). None where
+    the reply is not a forced call or not even a function's name was written."""
+    if not setup.forced:
+        return None
+    names = {f["name"] for f in setup.functions}
+    calls = []
+    for line in (line.strip() for line in text.strip().split("\n") if line.strip()):
+        whole = parse_calls(line, setup)
+        if whole is not None:
+            calls += whole
+            continue
+        m = _CALL_START.match(line)
+        if m is None:
+            break
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            break
+        if name not in names:
+            break
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": line[m.end():] if m.group(2) else ""}})
+        break  # the line max_tokens cut: nothing follows it
+    return calls or None
+
+
 class CallStream:
     """A streamed reply under tools: text goes out as it comes until the reply may be a call (a
     forced call from its start; under `auto` once its first character is `{`), which is held and
@@ -241,9 +273,12 @@ class CallStream:
                 return out
         return ""
 
-    def end(self) -> tuple[str, list[dict] | None]:
-        """(content still to send, the calls) once the reply is complete."""
+    def end(self, cut_short: bool = False) -> tuple[str, list[dict] | None]:
+        """(content still to send, the calls) once the reply is complete (`cut_short`: ended by
+        max_tokens, so a forced call may be unfinished)."""
         calls = parse_calls(self.held, self.setup) if self.held else None
+        if calls is None and cut_short and self.held:
+            calls = cut_calls(self.held, self.setup)
         if calls is not None:
             return "", calls
         out, self.held = self.held, ""

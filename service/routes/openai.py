@@ -224,6 +224,8 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             made = tools.parse_calls(text, calls) if calls is not None else None
             if made is not None:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
+            elif calls is not None and finish == "length" and (cut := tools.cut_calls(text, calls)) is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": cut}  # a forced call cut short
             choice = {"index": i, "finish_reason": finish,
                       "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
             choice.update({"message": message} if chat else {"text": place.echo + text})
@@ -256,7 +258,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         place.first = False
         return opening + sse.encode(choice) + b"]}\n\n"
 
-    def call_chunks(place: _Choice, made: list[dict]) -> list[bytes]:
+    def call_chunks(place: _Choice, made: list[dict], finish: str) -> list[bytes]:
         """Tool calls in OpenAI's delta format: per call, its index, id, type and name (the first
         with the reply's token ids and logprobs), then its arguments; then the finish."""
         out = []
@@ -268,7 +270,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             out += [chunk(place, None, None, place.ids if k == 0 else None, place.lps if k == 0 else None,
                           delta={**lead, "tool_calls": [opening]}),
                     chunk(place, None, None, delta={"tool_calls": [arguments]})]
-        return out + [chunk(place, None, "tool_calls", delta={})]
+        return out + [chunk(place, None, finish, delta={})]
 
     async def events():
         failed = False
@@ -289,10 +291,11 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             if place.held is not None:
                 text = place.held.feed(text)
                 if out.finished:
-                    rest, made = place.held.end()
+                    cut_short = out.finish_reason == FinishReason.LENGTH
+                    rest, made = place.held.end(cut_short)
                     text += rest
             if made is not None:
-                for c in call_chunks(place, made):
+                for c in call_chunks(place, made, "length" if cut_short else "tool_calls"):
                     yield c
                 continue
             holding = place.held is not None and place.held.holding is not False and not out.finished

@@ -198,3 +198,32 @@ def test_tool_calls_with_n_and_logprobs_whole_and_streamed(server):
         assert max(abs(a - b) for (_, a), (_, b) in zip(streamed_lps[i], lps[i])) < 1e-4
     server.wait_idle()
     server.check_invariants()
+
+
+def test_a_required_call_cut_short_by_max_tokens_is_still_a_call(server):
+    """`required` makes the reply a call; cut short by max_tokens it is answered as the call it
+    began (finish reason `length`, the arguments so far, never the call's text as content), and
+    streamed it brings the same function and arguments."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
+            "tool_choice": "required", "temperature": 0, "max_tokens": 12}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    args = call["function"]["arguments"]
+    assert args.startswith("{") and not args.endswith("}}")  # unfinished, as cut
+
+    name, streamed, finish = "", "", None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                assert c["delta"].get("content") in (None, "")
+                for tc in c["delta"].get("tool_calls") or []:
+                    name += tc["function"].get("name") or ""
+                    streamed += tc["function"].get("arguments", "")
+                finish = c["finish_reason"] or finish
+    assert (name, streamed, finish) == ("get_weather", args, "length")

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from service.errors import APIError
 from service.schemas import ChatCompletionRequest
-from service.tools import CallStream, call_text, parse_calls, preamble, setup_of, template_messages
+from service.tools import CallStream, call_text, cut_calls, parse_calls, preamble, setup_of, template_messages
 from tests.helpers import byte_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -102,6 +102,27 @@ def test_streamed_reply_splits_text_and_call():
     s = CallStream(auto)  # a call cut short is text after all
     assert s.feed('{"name": "get_w') == "" and s.end() == ('{"name": "get_w', None)
     assert parse_calls('{"name": "other", "arguments": {}}', auto) is None
+
+
+def test_a_forced_call_cut_short_is_still_a_call():
+    """Under `required` or a named function the reply is a call, so one that max_tokens cut short
+    is answered as the call it began: the function and its arguments so far (unfinished JSON), as
+    OpenAI sends one; under `auto` it stays text, as above."""
+    forced = setup_of(_body(tools=[WEATHER], tool_choice="required"))
+    text = '{"name": "get_weather", "arguments": {"city": "Par'
+    (call,) = cut_calls(text, forced)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    s = CallStream(forced)
+    assert s.feed(text) == ""
+    rest, (streamed,) = s.end(cut_short=True)
+    assert rest == "" and streamed["function"] == call["function"]
+    assert cut_calls('{"name": "get_weather"', forced)[0]["function"]["arguments"] == ""
+    assert cut_calls('{"name": "get_w', forced) is None and cut_calls('{"name": "other", "argu', forced) is None
+    auto = setup_of(_body(tools=[WEATHER]))
+    assert cut_calls(text, auto) is None
+    s = CallStream(auto)
+    s.feed(text)
+    assert s.end(cut_short=True) == (text, None)
 
 
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
