@@ -210,6 +210,8 @@ def output_text(obj: dict) -> str:
 
 def input_item(response_id: str, index: int, message: dict[str, str]) -> dict:
     """A stored input message as `GET /v1/responses/{id}/input_items` lists it."""
-    kind = "output_text" if message["role"] == "assistant" else "input_text"
+    part = {"type": "input_text", "text": message["content"]}
+    if message["role"] == "assistant":  # an output part has its annotations (none), as in a response's output
+        part = {"type": "output_text", "text": message["content"], "annotations": []}
     return {"id": f"msg_{response_id.removeprefix('resp_')}{index:04d}", "type": "message", "status": "completed",
-            "role": message["role"], "content": [{"type": kind, "text": message["content"]}]}
+            "role": message["role"], "content": [part]}

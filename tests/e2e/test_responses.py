@@ -292,3 +292,16 @@ def test_text_format_json_schema_follows_the_schema_as_chat_response_format_does
     assert free.output_text.startswith("{") and free.text.format.type == "json_object"
     if free.status == "completed":  # else cut by max_output_tokens (an object with no schema can run on)
         assert isinstance(json.loads(free.output_text), dict)
+
+
+def test_input_items_list_an_assistant_message_as_an_output_part(server):
+    """An assistant message of the input is listed as a response's output is: an `output_text`
+    part with its annotations (none), which the SDK reads as a list."""
+    client = sdk(server)
+    made = client.responses.create(input=FEW_SHOT + FRANCE, **GREEDY)
+    items = client.responses.input_items.list(made.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant", "user"]
+    part = items[1].content[0]
+    assert (part.type, part.text, part.annotations) == ("output_text", FEW_SHOT[1]["content"], [])
+    assert [p.type for i in (items[0], items[2]) for p in i.content] == ["input_text", "input_text"]
+    client.responses.delete(made.id)
