@@ -214,9 +214,14 @@ def parse_calls(text: str, setup: ToolSetup) -> list[dict] | None:
             return None
         if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
             return None
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}})
+        calls.append(_call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
     return calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call of `name` with `arguments` (JSON text), under a new id."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 # the start of a call line as the grammar writes it: its name, then (once written) the arguments' key
@@ -245,10 +250,20 @@ def cut_calls(text: str, setup: ToolSetup) -> list[dict] | None:
             break
         if name not in names:
             break
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": line[m.end():] if m.group(2) else ""}})
+        calls.append(_call(name, line[m.end():] if m.group(2) else ""))
         break  # the line max_tokens cut: nothing follows it
     return calls or None
+
+
+def reply_calls(text: str, setup: ToolSetup, cut_short: bool) -> tuple[list[dict] | None, str | None]:
+    """A reply under tools as calls, and the finish reason it answers with: whole calls
+    `tool_calls`; a forced call that max_tokens cut short (`cut_short`) `length`; (None, None)
+    where the reply is text."""
+    calls = parse_calls(text, setup)
+    if calls is not None:
+        return calls, "tool_calls"
+    cut = cut_calls(text, setup) if cut_short else None
+    return (cut, "length") if cut is not None else (None, None)
 
 
 class CallStream:
@@ -260,6 +275,7 @@ class CallStream:
         self.setup = setup
         self.holding: bool | None = True if setup.forced else None  # None: not decided yet
         self.held = ""
+        self.finish: str | None = None  # the calls' finish reason, once `end` found calls
 
     def feed(self, text: str) -> str:
         """The part of `text` to send now as content."""
@@ -276,9 +292,7 @@ class CallStream:
     def end(self, cut_short: bool = False) -> tuple[str, list[dict] | None]:
         """(content still to send, the calls) once the reply is complete (`cut_short`: ended by
         max_tokens, so a forced call may be unfinished)."""
-        calls = parse_calls(self.held, self.setup) if self.held else None
-        if calls is None and cut_short and self.held:
-            calls = cut_calls(self.held, self.setup)
+        calls, self.finish = reply_calls(self.held, self.setup, cut_short) if self.held else (None, None)
         if calls is not None:
             return "", calls
         out, self.held = self.held, ""

@@ -221,11 +221,10 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             place = _Choice(i, echoes[i] if echoes else "")
             finish = finish_reason_text(last.finish_reason if last else None)
             message = {"role": "assistant", "content": text}
-            made = tools.parse_calls(text, calls) if calls is not None else None
+            made, made_finish = (tools.reply_calls(text, calls, finish == "length") if calls is not None
+                                 else (None, None))
             if made is not None:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
-            elif calls is not None and finish == "length" and (cut := tools.cut_calls(text, calls)) is not None:
-                message = {"role": "assistant", "content": None, "tool_calls": cut}  # a forced call cut short
+                message, finish = {"role": "assistant", "content": None, "tool_calls": made}, made_finish
             choice = {"index": i, "finish_reason": finish,
                       "logprobs": place.logprobs(texts, chat, ids, lps if wants_logprobs else None)}
             choice.update({"message": message} if chat else {"text": place.echo + text})
@@ -291,11 +290,10 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             if place.held is not None:
                 text = place.held.feed(text)
                 if out.finished:
-                    cut_short = out.finish_reason == FinishReason.LENGTH
-                    rest, made = place.held.end(cut_short)
+                    rest, made = place.held.end(out.finish_reason == FinishReason.LENGTH)
                     text += rest
             if made is not None:
-                for c in call_chunks(place, made, "length" if cut_short else "tool_calls"):
+                for c in call_chunks(place, made, place.held.finish):
                     yield c
                 continue
             holding = place.held is not None and place.held.holding is not False and not out.finished
