@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-prologue|gemv-prologue-4b|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -288,26 +288,6 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
       --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \
       --targets serve cluster:1 cluster:2 --out "$OUT" --tag cluster ;;
-  gemv-prologue|gemv-prologue-4b)  # the few-row product with its norm or activation taken in: its
-    # GPU tests and the fused forward's, each product two kernels against one, then bf16 decode at
-    # N=1 and 8, this tree and BEFORE alternating on one machine (gemv-prologue: 1B; -4b: 4B and
-    # the 1B decode step's kernels)
-    side_decode() {  # SHAPE SIDE
-      local out dir=.; out=$(cd "$OUT" && pwd); [ "$2" = before ] && dir="$BEFORE"
-      (cd "$dir" && timeout 170 python3 -m bench.throughput --shape "$1" --dtype bfloat16 --policies s5 --n 1 8 \
-        --no-quality --out "$out/$2" --tag prologue-$2 2>&1 | tee "$out/throughput-$1-prologue-$2.log" | tail -4)
-    }
-    if [ "$2" = gemv-prologue ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -rP -m gpu tests/equivalence/test_cuda.py \
-        -k "gemv or fused_forward or pdl_launches or substituted" 2>&1 | tee "$OUT/cuda-tests-gemv-prologue.log" \
-        | grep -E "passed|failed|Error|tokens equal|plan" | tail -16
-      timeout 120 python3 -m bench.gemv_prologue --out "$OUT" 2>&1 | tee "$OUT/gemv-prologue.log" | tail -30
-      for side in after before; do side_decode gemma3-1b $side; done
-    else
-      for side in after before; do side_decode gemma3-4b $side; done
-      timeout 100 python3 -m bench.profile_decode --shape gemma3-1b --n 1 2>&1 | tee "$OUT/profile-decode-1b.log" \
-        | grep -A14 "^N="
-    fi ;;
   regress)  # this tree against BEFORE (a directory holding an earlier tree), the engine alone, same run
     run_tests
     for shape in gemma3-1b gemma3-4b; do

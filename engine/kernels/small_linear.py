@@ -71,42 +71,8 @@ if triton is not None:
         tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gelu_tanh_mul(g, u, dt: tl.constexpr):
-        """gelu_tanh(g) * u as `fused_ops.gelu_mul` computes and rounds it (float32 in and out)."""
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = (0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))).to(dt).to(tl.float32)
-        return (a * u).to(dt).to(tl.float32)
-
-    @triton.jit
-    def _residual_tile(Yb, H, WP, rm, rk, mask, km, stride_ym_in, K, ry, offset, dt: tl.constexpr):
-        """h + norm(y; w_post) of columns rk, rounded as `fused_ops.add_rmsnorm` rounds it (float32)."""
-        y = tl.load(Yb + rm[:, None] * stride_ym_in + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        wp = tl.load(WP + rk, mask=km, other=0.0).to(tl.float32)
-        yn = (y * ry[:, None] * (offset + wp[None, :])).to(dt).to(tl.float32)
-        h = tl.load(H + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        return (h + yn).to(dt).to(tl.float32)
-
-    @triton.jit
-    def _x_tile(X, H, WP, WN, rm, rk, mm, km, stride_xm, K, ry, rr, offset, PRO: tl.constexpr):
-        """Columns rk of the product's input rows (float32): x itself (PRO 0); gelu_tanh(gate) *
-        up of X = [gate | up] (PRO 1); norm(h + norm(y; w_post); w_next) of X = y (PRO 2)."""
-        mask = mm[:, None] & km[None, :]
-        dt = X.dtype.element_ty
-        if PRO == 1:
-            g = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(X + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            return _gelu_tanh_mul(g, u, dt)
-        elif PRO == 2:
-            r = _residual_tile(X, H, WP, rm, rk, mask, km, stride_xm, K, ry, offset, dt)
-            wn = tl.load(WN + rk, mask=km, other=0.0).to(tl.float32)
-            return (r * rr[:, None] * (offset + wn[None, :])).to(dt).to(tl.float32)
-        else:
-            return tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, H, WP, WN, HOUT, eps, offset,
-                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr = 0,
-                     GDC: tl.constexpr = False):
+    def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, MP)
@@ -117,43 +83,17 @@ if triton is not None:
         if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
             rk = tl.arange(0, BLOCK_K)
             km = rk < K
-            w0 = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             pdl_enter(GDC)
-        ry = tl.zeros([MP], tl.float32)
-        rr = tl.zeros([MP], tl.float32)
-        if PRO == 2:
-            # the norms' scales need whole rows: sum y^2, then (h + norm(y))^2, K a tile at a time
-            # (y and h are a few KB, read from L2); program 0 also stores the new residual
-            dt = X.dtype.element_ty
-            ss = tl.zeros([MP], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                y = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :],
-                            other=0.0).to(tl.float32)
-                ss += tl.sum(y * y, 1)
-            ry = tl.rsqrt(ss / K + eps)
-            ss = tl.zeros([MP], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                km = rk < K
-                mask = mm[:, None] & km[None, :]
-                r = _residual_tile(X, H, WP, rm, rk, mask, km, stride_xm, K, ry, offset, dt)
-                ss += tl.sum(r * r, 1)
-                if pid == 0:
-                    tl.store(HOUT + rm[:, None] * K + rk[None, :], r.to(dt), mask=mask)
-            rr = tl.rsqrt(ss / K + eps)
-        if GDC:
-            rk = tl.arange(0, BLOCK_K)
-            km = rk < K
-            x = _x_tile(X, H, WP, WN, rm, rk, mm, km, stride_xm, K, ry, rr, offset, PRO)
-            acc += tl.sum(x[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             k_first = BLOCK_K
         for k0 in range(k_first, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             km = rk < K
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            x = _x_tile(X, H, WP, WN, rm, rk, mm, km, stride_xm, K, ry, rr, offset, PRO)
-            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
                  mask=mm[:, None] & nm[None, :])
 
@@ -191,47 +131,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     `pdl` (kernels/launch.py): launched early, each program reads its first weight tile while
     the kernel before it finishes, and only then waits for x."""
     m, k = x.shape
-    y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_gemv(x, weight, y, k, 0, (x,) * 4, 0.0, 0.0, block_n, block_k, warps, stages, pdl)
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **kernel_args(pdl))
     return y
-
-
-def gemv_gelu(gu: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
-              stages: int = 3, pdl: bool = False) -> torch.Tensor:
-    """`gemv(fused_ops.gelu_mul(gu), weight)` in one kernel: gu [M, 2K] = [gate | up] (rows
-    contiguous), the activation computed and rounded as gelu_mul does, K columns at a time as
-    the product reads them."""
-    m, two_k = gu.shape
-    assert gu.stride(-1) == 1 and two_k == 2 * weight.shape[1]
-    y = torch.empty((m, weight.shape[0]), dtype=gu.dtype, device=gu.device)
-    _launch_gemv(gu, weight, y, two_k // 2, 1, (gu,) * 4, 0.0, 0.0, block_n, block_k, warps, stages, pdl)
-    return y
-
-
-def gemv_add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor, eps: float,
-                     offset: float, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
-                     stages: int = 3, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_ops.add_rmsnorm(h, y, w_post, w_next, ...)` followed by `gemv(x, weight)` in one
-    kernel: every program computes the two norms' scales of its rows (h, y [M, K] contiguous)
-    and the normalized input a tile at a time, as add_rmsnorm rounds them, with its sums in
-    K-tile order. Returns (the new residual h + norm(y; w_post), in a new tensor: the programs
-    all read h while program 0 writes it; x @ weight.T)."""
-    m, k = h.shape
-    assert h.is_contiguous() and y.is_contiguous() and y.shape == h.shape and weight.shape[1] == k
-    h_out = torch.empty_like(h)
-    out = torch.empty((m, weight.shape[0]), dtype=y.dtype, device=y.device)
-    _launch_gemv(y, weight, out, k, 2, (h, w_post, w_next, h_out), eps, offset, block_n, block_k, warps, stages,
-                 pdl)
-    return h_out, out
-
-
-def _launch_gemv(x, weight, y, k, pro, extra, eps, offset, block_n, block_k, warps, stages, pdl) -> None:
-    m, n = y.shape
-    if m:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), *extra, float(eps), float(offset),
-            MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, PRO=pro, num_warps=warps,
-            num_stages=stages, **kernel_args(pdl))
 
 
 class SmallBatchLinear(nn.Module):

@@ -13,10 +13,7 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
-projection and row count when the forward is built), that kernel runs it, and takes the step
-before it into its own first work: `gelu_mul` into the down product (`project_gelu`), an
-`add_rmsnorm` into the gate/up product and into the next layer's Q/K/V product (`norm_project`).
-A decode step of one row then launches two kernels fewer per layer where all three run on it.
+projection and row count when the forward is built), that kernel runs it.
 
 With `pdl` (on GPUs that support it, kernels/launch.py) the engine's kernels are launched with
 programmatic dependent launch: each may be scheduled while the kernel before it runs, and waits on
@@ -54,7 +51,7 @@ from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
 from engine.kernels.nf4 import NF4Weight
 from engine.kernels.nf4_plan import plan_nf4
-from engine.kernels.small_linear import SmallBatchLinear, gemv, gemv_add_rmsnorm, gemv_gelu, plan_gemv
+from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
 from engine.model.nf4_linear import NF4Linear, fuse_nf4_rows
 from engine.model.quant import Int8Linear, Int8Weight, fuse_int8
 
@@ -232,37 +229,6 @@ def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict],
     return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl_for(x.shape[0]))
 
 
-def _gemv_launch(rows: int, w, plan: dict[int, dict]) -> dict | None:
-    """The planned `gemv` launch for a product of `rows` rows with w, or None where another
-    kernel runs it (NF4 and int8 weights, the library's product)."""
-    if isinstance(w, (NF4Weight, Int8Weight)):
-        return None
-    return plan.get(rows)
-
-
-def project_gelu(gu: torch.Tensor, w, plan: dict[int, dict], pdl_for) -> torch.Tensor:
-    """gelu_mul(gu) @ w^T for gu [T, 2 * in] = [gate | up]: one kernel where `gemv` runs the
-    product, `gelu_mul` then `project` otherwise."""
-    rows = gu.shape[0]
-    cfg = _gemv_launch(rows, w, plan)
-    if cfg is None:
-        return project(gelu_mul(gu, pdl=pdl_for(rows)), w, plan, pdl_for)
-    return gemv_gelu(gu, w, **cfg, pdl=pdl_for(rows))
-
-
-def norm_project(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor, eps: float, w,
-                 plan: dict[int, dict], pdl_for, cpu=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rmsnorm(h, y, w_post, w_next)` (Gemma 3's offset 1) then its x @ w^T: (the new
-    residual, the product). One kernel where `gemv` runs the product; there the new residual is
-    a new tensor, elsewhere h updated in place."""
-    rows = h.shape[0]
-    cfg = _gemv_launch(rows, w, plan)
-    if cfg is None:
-        h, x = add_rmsnorm(h, y, w_post, w_next, eps, pdl=pdl_for(rows), cpu=cpu)
-        return h, project(x, w, plan, pdl_for)
-    return gemv_add_rmsnorm(h, y, w_post, w_next, eps, 1.0, w, **cfg, pdl=pdl_for(rows))
-
-
 class FusedDecoder:
     """What the engine's own forwards (Gemma 3 here, Gemma 4 in fused_gemma4.py) take from the
     stock decoder besides its layers: the embedding, the rotary embedding (and, where they match
@@ -363,18 +329,15 @@ class FusedGemma3(FusedDecoder):
         `logits_index` (None: all), attention through `step`."""
         h, tables, pdl = self._embed(input_ids, positions)
         eps, cpu = self.eps, self.cpu
-        plans, pdl_for = self.plans, self.pdl_for
-        qkv = self._project(rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl, cpu=cpu), self.layers[0], "wqkv")
+        x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl, cpu=cpu)
         for n, L in enumerate(self.layers):
-            a = self._attend(qkv, L, positions, tables, step, L.softcap, pdl)
+            a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
             o = self._project(a, L, "wo")
-            h, gu = norm_project(h, o, L.post_attn, L.pre_ff, eps, L.wgu, plans["wgu"], pdl_for, cpu)
-            d = project_gelu(gu, L.wd, plans["wd"], pdl_for)
-            if n + 1 < len(self.layers):
-                nxt = self.layers[n + 1]
-                h, qkv = norm_project(h, d, L.post_ff, nxt.in_norm, eps, nxt.wqkv, plans["wqkv"], pdl_for, cpu)
-            else:
-                h, x = add_rmsnorm(h, d, L.post_ff, self.final_norm, eps, pdl=pdl, cpu=cpu)
+            h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl, cpu=cpu)
+            m = gelu_mul(self._project(x, L, "wgu"), pdl=pdl)
+            d = self._project(m, L, "wd")
+            nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
+            h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl, cpu=cpu)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)

@@ -10,8 +10,7 @@ layer this forward runs:
   x -> [Q|K|V] = x Wqkv^T (full layers with values equal to keys: [Q|K]) -> qk_norm_rope (Q and
   K norms and RoPE, V's scale-free norm) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
   post-attention norm, and the three inputs of what follows: the dense MLP's, the experts' and
-  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T, the last two one kernel where
-  `gemv` runs D: fused_forward.project_gelu) and, beside it, router
+  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T) and, beside it, router
   logits -> router_topk -> experts (kernels/moe.py) -> layer_out (the MLP and experts' post-norms,
   their sum, the post-MLP norm, the residual add, the layer scalar and the next layer's input
   norm)
@@ -38,14 +37,14 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plan_projection,
-                                        project, project_gelu, projections_unsupported)
+                                        project, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe, nf4_moe
 from engine.kernels.nf4 import NF4Weight
 from engine.kernels.nf4_plan import expert_tiles_for, plan_experts
 from engine.model.nf4_experts import NF4Experts
-from engine.kernels.fused_ops import add_rmsnorm, layer_out, rmsnorm
+from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +219,7 @@ class FusedGemma4(FusedDecoder):
             else:
                 h, x, x_experts, x_router = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0,
                                                         also=(X.pre_norm, X.router_in), pdl=pdl)
-            gu = self._project(x, L.wgu, "wgu")
-            d = project_gelu(gu, L.wd, self.plans[("wd", tuple(L.wd.shape))], self.pdl_for)
+            d = self._project(gelu_mul(self._project(x, L.wgu, "wgu"), pdl), L.wd, "wd")
             e = None if X is None else self._experts(X, x_router, x_experts)
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = layer_out(h, d, e, X.post_mlp if X else None, X.post_norm if X else None, L.post_ff, L.scalar,
