@@ -105,8 +105,11 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
     hid, inter = shape["hidden_size"], shape["intermediate_size"]
     H, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     mp = max(1, 1 << (rows - 1).bit_length())
-    grid = [(bn, bk, w, st) for (bn, bk) in ((4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256))
-            for w in (4, 8) for st in (3, 4) if mp * bn * bk <= 128 * 32 * w]
+    # one or two weight rows a program: more programs than SMs by a larger factor, so the last
+    # wave leaves fewer SMs idle (1B's down projection: 1,152 rows, 288 programs of 4 on 132 SMs)
+    grid = [(bn, bk, w, st) for (bn, bk) in ((1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512),
+                                             (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256))
+            for w in (2, 4, 8) for st in (3, 4) if mp * bn * bk <= 128 * 32 * w and (bn <= 2 or w > 2)]
     for name, (n, k) in {"qkv": ((H + 2 * Hkv) * D, hid), "o": (hid, H * D), "gate_up": (2 * inter, hid),
                          "down": (hid, inter)}.items():
         ncopy = copies_for(n * k * dtype.itemsize)
@@ -191,7 +194,7 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["gemma3-4b", "gemma3-1b"], choices=sorted(SHAPES))
-    ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--n", type=int, nargs="*", default=[1, 8, 64, 256], help="none: no attention")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="none: no projections")
     ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
     ap.add_argument("--page", type=int, default=16)
@@ -238,8 +241,9 @@ def main() -> None:
                                                        top=[dict(us=t, launch=k) for t, k in timed[:6]]))
                 out.write_text(json.dumps({**meta, **results}, indent=1))
                 continue
-            print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
-            print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
+            if a.n:
+                print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
+                print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
             for n in a.n:
                 for layout, nbytes, current, cands, make in attention_cases(shape, n, a.page, a.sink, a.window,
                                                                               dtype, dev, a.quick):
