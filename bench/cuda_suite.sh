@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -288,6 +288,23 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
       --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \
       --targets serve cluster:1 cluster:2 --out "$OUT" --tag cluster ;;
+  gemv-ab)  # the few-row product's launches: its GPU tests and the fused forward's (TESTS=0 skips
+    # them), then bf16 decode at N=1 and 8 of SHAPES (default: gemma3-1b gemma3-4b), this tree and
+    # BEFORE (a directory holding an earlier tree) alternating on one machine
+    if [ "${TESTS:-1}" != 0 ]; then
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda.py \
+        -k "gemv or fused_forward or pdl_launches" 2>&1 | tee "$OUT/cuda-tests-gemv-ab.log" \
+        | grep -E "passed|failed|Error|tokens equal|gemv plan" | tail -20
+    fi
+    out=$(cd "$OUT" && pwd)
+    for shape in ${SHAPES:-gemma3-1b gemma3-4b}; do
+      for side in after before; do
+        dir=.; [ $side = before ] && dir="$BEFORE"
+        (cd "$dir" && timeout 170 python3 -m bench.throughput --shape $shape --dtype bfloat16 --policies s5 \
+          --n 1 8 --no-quality --out "$out/$side" --tag gemv-$side 2>&1 \
+          | tee "$out/throughput-$shape-gemv-$side.log" | grep -E "^ +[0-9]+ bfloat16|wrote")
+      done
+    done ;;
   regress)  # this tree against BEFORE (a directory holding an earlier tree), the engine alone, same run
     run_tests
     for shape in gemma3-1b gemma3-4b; do

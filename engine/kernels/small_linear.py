@@ -198,13 +198,27 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
     return best
 
 
-# gemv launches tried per row count by `plan_gemv` (chosen from `python -m bench.tune_kernels`)
-# (H200, Gemma-3 1B and 4B projections: these two won every case at 1 and 2 rows)
+# gemv launches tried per row count by `plan_gemv` (from `python -m bench.tune_kernels`: on an
+# H100, programs of one or two weight rows won every Gemma-3 1B and 4B projection at one row and
+# all but gate/up at two; those of four rows had won on an H200 before the narrower ones were tried)
 GEMV_CANDIDATES = (
     dict(block_n=4, block_k=1024, warps=4, stages=4),
     dict(block_n=4, block_k=1024, warps=4, stages=3),
+    dict(block_n=2, block_k=1024, warps=2, stages=3),
+    dict(block_n=2, block_k=1024, warps=4, stages=3),
+    dict(block_n=2, block_k=2048, warps=2, stages=3),
+    dict(block_n=2, block_k=2048, warps=4, stages=3),
+    dict(block_n=1, block_k=2048, warps=4, stages=4),
 )
 GEMV_ROWS = (1, 2, 4, 8)
+
+
+def gemv_fits(cfg: dict, rows: int) -> bool:
+    """Whether a launch's per-tile products ([rows, block_n, block_k] in float32) come to at
+    most 256 values a thread, as four weight rows of 1,024 columns on four warps do at eight rows
+    of x; wider ones spill and are not timed."""
+    mp = max(1, 1 << (rows - 1).bit_length())
+    return mp * cfg["block_n"] * cfg["block_k"] <= 256 * 32 * cfg["warps"]
 
 
 @torch.no_grad()
@@ -221,7 +235,7 @@ def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pd
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
         best = graph_ms(lambda: [F.linear(x, w) for w in weights], reps=3)
-        for cfg in GEMV_CANDIDATES:
+        for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m)):
             t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
             if t < best:
                 best, plan[m] = t, cfg

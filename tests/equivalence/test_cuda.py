@@ -256,18 +256,19 @@ def test_small_batch_linear_matches_library(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
-    """The one-kernel few-row product against F.linear on odd shapes, every candidate launch and
-    1..8 rows; the plan over a stack of weights holds only row counts and launches it may use."""
+    """The one-kernel few-row product against F.linear on odd shapes, every candidate launch that
+    fits the row count, 1..8 rows; the plan over a stack of weights holds only row counts and
+    launches it may use."""
     import torch.nn.functional as F
 
-    from engine.kernels.small_linear import GEMV_CANDIDATES, GEMV_ROWS, gemv, plan_gemv
+    from engine.kernels.small_linear import GEMV_CANDIDATES, GEMV_ROWS, gemv, gemv_fits, plan_gemv
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     for m, n, k in [(1, 1024, 2560), (3, 2560, 10240), (8, 333, 1152), (5, 4100, 130), (2, 7, 3000)]:
         x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
         w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
         want = F.linear(x.double(), w.double())
-        for cfg in GEMV_CANDIDATES:
+        for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m)):
             for pdl in (False, True):  # with PDL the first weight tile is read before the wait
                 err = ((gemv(x, w, **cfg, pdl=pdl).double() - want).norm() / want.norm()).item()
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, pdl, err)
@@ -275,7 +276,8 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
     for pdl in (False, True):
         plan = plan_gemv(weights, pdl_for=lambda rows: pdl)
         print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}): {plan}")
-        assert set(plan) <= set(GEMV_ROWS) and all(cfg in GEMV_CANDIDATES for cfg in plan.values())
+        assert set(plan) <= set(GEMV_ROWS)
+        assert all(cfg in GEMV_CANDIDATES and gemv_fits(cfg, rows) for rows, cfg in plan.items())
 
 
 def test_substituted_linears_keep_model_outputs():
