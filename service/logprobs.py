@@ -4,7 +4,9 @@ session route's per-token objects.
 
 A token's text is its id decoded alone (`token_id:<id>` where the model has no tokenizer); its
 `bytes` are that text's UTF-8 bytes, or the byte itself for a byte-fallback token (`<0xE6>`), so
-the bytes of a character split over several tokens add up to it. A logprob of -inf (a token
+the bytes of a character split over several tokens add up to it. The completions API names a
+byte-fallback token `bytes:\\xNN` (its text alone is U+FFFD), as the OpenAI API does, so its
+`top_logprobs` keys stay distinct. A logprob of -inf (a token
 `min_tokens` bans) is reported as -9999.0, as the OpenAI API does: JSON has no infinity.
 """
 
@@ -57,21 +59,65 @@ def chat(texts: TokenText, token_ids: list[int], logprobs: list[TokenLogprobs]) 
     return {"content": content}
 
 
-def completion(texts: TokenText, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int) -> tuple[dict, int]:
-    """`choice.logprobs` of a completion (or of one streamed chunk of it) whose first token's text
-    starts at character `offset` of the choice's text; and the offset after its last token. Each
-    token's `top_logprobs` holds the most likely tokens and the token itself."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+def _completion_token(texts: TokenText, token_id: int) -> str:
+    """A token as the completions API names it: its text, or, for a byte-fallback token (a piece
+    of a character; its text alone is U+FFFD), `bytes:\\xNN` as the OpenAI API writes such a
+    token, so two byte tokens never share a name."""
+    text = texts.text(token_id)
+    if "\ufffd" in text:
+        b = texts.bytes(token_id)
+        if len(b) == 1:
+            return f"bytes:\\x{b[0]:02x}"
+    return text
+
+
+class TextOffsets:
+    """Where each token's text starts in a completion's text: byte-fallback tokens start where the
+    character they make up starts, and the text moves on when its last byte arrives (a character
+    left incomplete counts as the one U+FFFD the text shows for it)."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.pending = b""
+
+    def advance(self, texts: TokenText, token_id: int) -> int:
+        """The offset of this token's text; moves past it."""
+        text = texts.text(token_id)
+        b = texts.bytes(token_id)
+        if "\ufffd" in text and len(b) == 1:
+            at = self.offset
+            self.pending += bytes(b)
+            try:
+                self.offset += len(self.pending.decode("utf-8"))
+                self.pending = b""
+            except UnicodeDecodeError:
+                if len(self.pending) >= 4:  # no character is longer: the text shows U+FFFD
+                    self.offset, self.pending = self.offset + 1, b""
+            return at
+        if self.pending:
+            self.offset, self.pending = self.offset + 1, b""
+        at = self.offset
+        self.offset += len(text)
+        return at
+
+
+def completion(texts: TokenText, token_ids: list[int], logprobs: list[TokenLogprobs],
+               offsets: TextOffsets) -> dict:
+    """`choice.logprobs` of a completion (or of one streamed chunk of it); `offsets` carries the
+    text offset from chunk to chunk. Each token's `top_logprobs` holds the most likely tokens and
+    the token itself, by name; where two tokens share a name, the more likely one's logprob."""
+    tokens, token_lps, tops, starts = [], [], [], []
     for tid, (lp, top_ids, top_lps) in zip(token_ids, logprobs):
-        text = texts.text(tid)
-        tokens.append(text)
+        name = _completion_token(texts, tid)
+        tokens.append(name)
         token_lps.append(_lp(lp))
-        top = {texts.text(t): _lp(x) for t, x in zip(top_ids, top_lps)}
-        top.setdefault(text, _lp(lp))
+        top: dict[str, float] = {}
+        for t, x in zip(top_ids, top_lps):  # most likely first
+            top.setdefault(_completion_token(texts, t), _lp(x))
+        top.setdefault(name, _lp(lp))
         tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+        starts.append(offsets.advance(texts, tid))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
 
 def session(token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict]:

@@ -153,7 +153,8 @@ class _Choice:
     its text held while it may be a call, with the token ids and logprobs not sent yet."""
 
     def __init__(self, index: int, echo: str, calls: tools.ToolSetup | None = None) -> None:
-        self.index, self.first, self.offset, self.last, self.echo = index, True, len(echo), None, echo
+        self.index, self.first, self.last, self.echo = index, True, None, echo
+        self.offsets = logprobs_format.TextOffsets(len(echo))
         self.held = tools.CallStream(calls) if calls is not None else None
         self.ids: list[int] = []
         self.lps: list = []
@@ -163,8 +164,7 @@ class _Choice:
             return None
         if chat:
             return logprobs_format.chat(texts, ids, lps)
-        out, self.offset = logprobs_format.completion(texts, ids, lps, self.offset)
-        return out
+        return logprobs_format.completion(texts, ids, lps, self.offsets)
 
 
 async def _merged(turns: list) -> AsyncIterator[tuple[int, object]]:

@@ -41,6 +41,30 @@ def test_completion_logprobs_equal_the_reference_models(server, client, embedded
     assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(ids))]
 
 
+def test_completion_logprobs_name_byte_tokens_apart(client):
+    """Characters the model writes byte by byte (byte-fallback tokens, whose text alone is U+FFFD):
+    each is named `bytes:\\xNN` in `tokens` and `top_logprobs`, as the OpenAI API names them, so
+    the top entries stay distinct and the greedy token is the most likely one under its own name;
+    its text offset is where its character starts. Streamed equals not streamed."""
+    kw = dict(model=MODEL, prompt="\U00020000\U00020040\U00020080\U000200c0 " * 5, max_tokens=6, temperature=0,
+              logprobs=3, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    choice = full.choices[0]
+    lp = choice.logprobs
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens), lp.tokens
+    for name, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and top[name] == value == max(top.values())
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(choice.text)
+    streamed = {"tokens": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                for key in streamed:
+                    streamed[key] += getattr(c.logprobs, key)
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert [sorted(t) for t in streamed["top_logprobs"]] == [sorted(t) for t in lp.top_logprobs]
+
+
 def test_chat_logprobs_streamed_equal_not_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=6, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
