@@ -32,6 +32,15 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt_logprobs": lambda v: not v,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: not v,
+    # vLLM's and llama.cpp's sampling extras beyond those implemented (min_p, top_k,
+    # repetition_penalty, stop_token_ids, min_tokens, ignore_eos)
+    "typical_p": lambda v: v == 1,
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v == 1,
+    "include_stop_str_in_output": lambda v: not v,
+    "repeat_penalty": lambda v: v == 1,  # llama.cpp's name; this server's is repetition_penalty
+    "mirostat": lambda v: not v,
+    "tfs_z": lambda v: v == 1,
 }
 
 
@@ -52,6 +61,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, **_NUM)
     top_p: float | None = Field(None, gt=0.0, le=1.0, **_NUM)
     top_k: int | None = Field(None, ge=-1, le=COUNT_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, **_NUM)  # vLLM's; 0 = off
     seed: int | None = Field(None, **INT64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -61,9 +71,10 @@ class _Body(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_NUM)
     # vLLM's extras: a repetition penalty over prompt and output (1 = off), EOS and stop token
-    # ids banned until min_tokens tokens are generated
+    # ids banned until min_tokens tokens are generated, token ids that end the reply as EOS does
     repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, **_NUM)
     min_tokens: int | None = Field(None, ge=0, le=INT64["le"])
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=COUNT_MAX)]] | None = Field(None, max_length=64)
     # token id (a string, as JSON object keys are) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, **_NUM)]] | None = None
     session_id: str | None = None

@@ -167,9 +167,10 @@ def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | N
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=top_k,
         top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=tuple(valid_text(s, "stop") for s in (body.stop or ())),
-        stop_token_ids=stop_token_ids,
+        stop_token_ids=tuple(dict.fromkeys((*stop_token_ids, *(body.stop_token_ids or ())))),
         ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs,
         presence_penalty=body.presence_penalty or 0.0,
@@ -241,8 +242,12 @@ class Turn:
     called when the response ends, however it ends) aborts it if it has not finished."""
 
     def __init__(self, state, stream: RequestStream, detok: IncrementalDetokenizer | None,
-                 num_prompt_tokens: int, started: float, fork: bool = False) -> None:
+                 num_prompt_tokens: int, started: float, fork: bool = False,
+                 stop_token_ids: tuple[int, ...] = ()) -> None:
         self.state = state
+        # the request's stop token ids: the one that ends the reply is not shown as text (as EOS,
+        # a special token, is not), as vLLM leaves it out
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.fork = fork  # a choice after the first of n: its prompt was the first's prefill
         self.request_id = stream.request_id
         self.stream = stream
@@ -277,7 +282,10 @@ class Turn:
             m.generation_tokens.inc(n)
         text = ""
         if self.detok is not None and not self._stopped:
-            text, self._stopped = self.detok.add_many(d.token_ids)
+            ids = d.token_ids
+            if d.finished and d.finish_reason == FinishReason.STOP and ids and ids[-1] in self.stop_token_ids:
+                ids = ids[:-1]
+            text, self._stopped = self.detok.add_many(ids)
             if d.finished and d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not self._stopped:
                 text += self.detok.flush()  # held text that never became a stop string
         if d.finished and self._last_arrival is None and d.finish_reason == FinishReason.LENGTH:  # an append
@@ -338,7 +346,8 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
         raise
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
-                 else None, len(prompt_ids), started, fork=i > 0) for i, stream in enumerate(streams)]
+                 else None, len(prompt_ids), started, fork=i > 0, stop_token_ids=params.stop_token_ids)
+            for i, stream in enumerate(streams)]
 
 
 Collected = tuple[str, list[int], Chunk | None, list[TokenLogprobs]]  # text, ids, last chunk, logprobs

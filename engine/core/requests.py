@@ -103,6 +103,8 @@ class RequestPlanner:
             raise EngineError(f"token ids must be integers in [0, {vocab})", param="prompt")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise EngineError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if not valid_token_ids(list(params.stop_token_ids), self._token_ids):
+            raise EngineError(f"stop_token_ids must be integers in [0, {vocab})", param="stop_token_ids")
         if params.n > 1 and session is not None:
             raise EngineError("n > 1 needs a request of its own: a session has one row", param="n")
         if params.stop and self.tokenizer is None:

@@ -72,6 +72,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the top token's probability are cut; 0 = off
     seed: int | None = None  # same seed -> same tokens, alone or batched
     stop: tuple[str, ...] = ()  # stop strings; never emitted
     stop_token_ids: tuple[int, ...] = ()  # extra EOS-like ids
@@ -101,6 +102,8 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
             raise EngineError("top_p must be in (0, 1]", param="top_p")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise EngineError("min_p must be in [0, 1]", param="min_p")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise EngineError("stop strings must be non-empty strings", param="stop")
         lp = self.logprobs

@@ -1,12 +1,13 @@
-"""Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, seeds;
+"""Per-row sampling, batched on the logits' device: greedy, temperature, top-k, top-p, min-p, seeds;
 rows with penalties, biases or logprobs go through logits_process.py first, and rows with a
 grammar through its mask (token_mask.py). A row's logits pass, in this order:
 
     penalties, logit_bias, min_tokens   logits_process.py `process`   (rows that ask for them)
     the grammar's mask                  token_mask.py `apply_bitmask_` (rows with a grammar)
-    greedy argmax, or temperature, top-k, top-p and a seeded draw
+    greedy argmax, or temperature, min-p, top-k, top-p and a seeded draw
 and a row's logprobs are the log-softmax of the logits its token was picked from: processed and
-masked, before temperature, top-k and top-p.
+masked, before temperature, min-p, top-k and top-p. Min-p (vLLM's order: after temperature, before
+top-k and top-p) cuts the tokens whose probability is below min_p times the top token's.
 
 Sampled rows draw by inverse CDF: each row's uniform number comes from its own seeded generator
 (on the host, one float per row), and everything else runs on the device in a few batched ops,
@@ -86,6 +87,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     n, vocab = logits.shape
     x = logits.float() / to_device([p.temperature for p in params], torch.float32, dev)[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p) (log(0) = -inf cuts nothing)
+        floor = torch.log(to_device([p.min_p for p in params], torch.float32, dev))[:, None]
+        x = x.masked_fill(x < x.amax(dim=-1, keepdim=True) + floor, float("-inf"))
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         kth = torch.topk(x, max(ks), dim=-1).values  # [n, k_max], descending

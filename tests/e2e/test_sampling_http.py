@@ -65,6 +65,26 @@ def test_completion_logprobs_name_byte_tokens_apart(client):
     assert [sorted(t) for t in streamed["top_logprobs"]] == [sorted(t) for t in lp.top_logprobs]
 
 
+def test_vllm_extras_min_p_and_stop_token_ids(server, client):
+    """min_p 1 keeps only the top token, so a hot sample is the greedy text; stop_token_ids end
+    the reply at the first of them (finish "stop", the token's text left out); an id past the
+    vocabulary, or an extra this server does not implement (typical_p), is a 400 naming it."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8)
+    greedy = client.completions.create(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+    hot = client.completions.create(temperature=1.5, seed=3, extra_body={"min_p": 1.0, "ignore_eos": True}, **kw)
+    assert hot.choices[0].text == greedy.choices[0].text
+    ids = greedy.choices[0].model_extra["token_ids"]
+    k = ids.index(ids[3])
+    before = client.completions.create(temperature=0, **{**kw, "max_tokens": k}) if k else None
+    stopped = client.completions.create(temperature=0, extra_body={"stop_token_ids": [ids[3]]}, **kw)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == (before.choices[0].text if before else "")
+    for extra, param in (({"stop_token_ids": [10**7]}, "stop_token_ids"), ({"typical_p": 0.5}, "typical_p"),
+                         ({"min_p": 1.5}, "min_p")):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_chat_logprobs_streamed_equal_not_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=6, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
+from engine.core.types import EngineError
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.model.loader import LoadedModel
 from engine.runner.sampler import make_generator, sample, sample_batch
@@ -20,6 +21,26 @@ def test_top_k_and_top_p_restrict_the_support():
     assert sample(logits, SamplingParams(), make_generator(0)) == 0
     with pytest.raises(ValueError):
         sample(torch.tensor([float("nan"), 1.0]), SamplingParams(), make_generator(0))
+
+
+def test_min_p_cuts_tokens_below_its_share_of_the_top_token_after_temperature():
+    """vLLM's min_p: a token is kept when its probability (after temperature) is at least min_p
+    times the top token's; rows without it in the same batch keep their whole support."""
+    logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])
+
+    def support(params, n=300):
+        return {sample(logits, params, make_generator(s)) for s in range(n)}
+
+    assert support(SamplingParams(temperature=1.0, min_p=0.2)) == {0, 1}  # p1 / p0 = e^-1 = 0.37; p2 / p0 0.14
+    assert support(SamplingParams(temperature=2.0, min_p=0.2)) == {0, 1, 2}  # flatter: p2 / p0 = e^-1
+    assert support(SamplingParams(temperature=1.5, min_p=1.0)) == {0}
+    gens = [make_generator(s) for s in range(600)]
+    rows = [SamplingParams(temperature=1.0, min_p=0.5 if i % 2 else 0.0) for i in range(600)]
+    tokens, ok = sample_batch(logits.expand(600, 5).contiguous(), rows, gens)
+    assert all(ok)
+    assert set(tokens[1::2]) == {0} and set(tokens[0::2]) >= {0, 1, 2}
+    with pytest.raises(EngineError):
+        SamplingParams(min_p=1.5).validate()
 
 
 def test_extreme_top_p_and_temperature_sample_the_top_token():
