@@ -30,8 +30,15 @@ from engine.runner.transfer import to_device
 
 
 def make_generator(seed: int) -> torch.Generator:
+    """A row's generator for a request's 64-bit seed. torch's CPU generator (mt19937) keeps only
+    the low 32 bits of its seed, so seeds that differ above them (5 and 5 + 2**32, -1 and 2**63 - 1)
+    would draw alike: the whole seed is mixed (splitmix64's finalizer) and folded to 32 bits first."""
+    x = seed & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    x ^= x >> 31
     g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
+    g.manual_seed((x ^ (x >> 32)) & 0xFFFF_FFFF)
     return g
 
 

@@ -43,6 +43,17 @@ def test_min_p_cuts_tokens_below_its_share_of_the_top_token_after_temperature():
         SamplingParams(min_p=1.5).validate()
 
 
+def test_seeds_that_differ_only_above_32_bits_draw_apart():
+    """The whole 64-bit seed counts (torch's generator alone keeps its low 32 bits)."""
+    def draws(seed):
+        g = make_generator(seed)
+        return [float(torch.rand((), generator=g)) for _ in range(4)]
+
+    assert draws(5) == draws(5)
+    for a, b in ((5, 5 + 2**32), (-1, 2**63 - 1), (0, 2**32), (7, 7 - 2**32)):
+        assert draws(a) != draws(b), (a, b)
+
+
 def test_extreme_top_p_and_temperature_sample_the_top_token():
     """A top_p below float32's range (5e-324 is 0 there) keeps the top token instead of none; a
     temperature near 0 is greedy instead of an overflow. Both were server errors (found by the
