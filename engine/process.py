@@ -60,8 +60,13 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
     encode = ipc.encoder().encode
     try:
         from engine.core.engine import Engine
+        from engine.core.session_db import SessionFileLock, is_postgres_url
 
-        engine = Engine(config)
+        # one server per session file: taken before the model loads, so a second server on the
+        # file stops at once (the store takes the lock over)
+        lock = (SessionFileLock(config.session_db)
+                if config.session_db and not is_postgres_url(config.session_db) else None)
+        engine = Engine(config, session_lock=lock)
         engine.grammars.start_building()  # alongside the warm-up (core/structured.py)
         _warm_up(engine)
         engine.grammars.wait_built()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -24,12 +25,21 @@ def _serve(argv: list[str]) -> int:
     log = logging.getLogger("s5serve")
     # One server per session file, checked before anything slow; the engine process's SessionDB
     # then holds the lock for as long as it runs.
+    db = settings.engine.session_db
     try:
-        if settings.engine.session_db and not is_postgres_url(settings.engine.session_db):
-            SessionFileLock(settings.engine.session_db).release()
+        if db and not is_postgres_url(db):
+            if os.path.isdir(os.path.expanduser(db)):
+                raise IsADirectoryError(f"{db} is a directory; --session-db takes a file")
+            SessionFileLock(db).release()
     except SessionFileBusy as e:
         print(f"s5serve: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"s5serve: cannot use {db} as the session database: {e}", file=sys.stderr)
+        return 2
+    if (problem := device_problem(settings.engine.device)) is not None:
+        print(f"s5serve: {problem}", file=sys.stderr)
+        return 2
     if (warning := exposure_warning(settings)) is not None:
         log.warning(warning)
     if settings.engine.model == "embedded":
@@ -50,6 +60,21 @@ def _serve(argv: list[str]) -> int:
     app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1
     server.run()
     return 1 if app.state.s5.fatal or app.state.s5.load_error else 0
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot serve on this machine (a CUDA device torch cannot see), or None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device {device}: torch {torch.__version__} sees no CUDA device on this machine "
+                f"(serve on the CPU with --device cpu, or install torch's CUDA build)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def _drain_server_class():

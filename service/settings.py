@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -96,6 +97,55 @@ def _auto_or_positive_int(text: str) -> int | None:
     return value
 
 
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """A parser of whole numbers in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"of at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"expected a whole number {span}, got {text!r}")
+        return value
+    return parse
+
+
+def seconds(low: float, *, above: bool = False) -> Callable[[str], float]:
+    """A parser of a finite number of seconds (or ms) >= low (> low with `above`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'above' if above else 'of at least'} "
+                                             f"{low:g}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_bytes(text: str) -> int:
+    value = parse_bytes(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a byte count of at least 1, got {text!r}")
+    return value
+
+
+def parse_device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text.strip()
+
+
+def parse_model(text: str) -> str:
+    """A model: embedded, tiny-random[:seed], random:<config>, a hub id, or a local directory,
+    which must exist when the value is written as a path (absolute, ./, ../ or ~)."""
+    if text.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"no model directory at {text!r}")
+    return text
+
+
 def parse_on_off(text: str) -> bool:
     value = text.strip().lower()
     if value in ("on", "true", "1", "yes"):
@@ -157,15 +207,15 @@ def _parse_windows(text: str) -> tuple[int, ...] | None:
 
 
 def _parse_int_or_auto(text: str) -> int | None:
-    return None if text.strip().lower() in ("", "auto", "none") else int(text)
+    return None if text.strip().lower() in ("", "auto", "none") else int_at_least(1)(text)
 
 
 SERVE_OPTIONS: tuple[Option, ...] = (
     # model and device
     Option("--model", "engine.model",
            "embedded (Gemma 3 270M base, shipped as Python packages, converted once), a local "
-           "directory or hub id that transformers loads, or tiny-random[:seed] (tests)"),
-    Option("--device", "engine.device", "cpu, cuda or cuda:N"),
+           "directory or hub id that transformers loads, or tiny-random[:seed] (tests)", parse=parse_model),
+    Option("--device", "engine.device", "cpu, cuda or cuda:N", parse=parse_device),
     Option("--dtype", "engine.dtype", "weights and activations", choices=DTYPES),
     Option("--quantization", "", "weights: auto (int8 on the CPU in float32, else none), none, "
            "int8 (CPU), bnb-4bit (CUDA, needs the cuda extra)",
@@ -185,9 +235,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "own window; full: every layer keeps everything; sink-window: the ablation control",
            choices=KV_POLICIES),
     Option("--sink", "engine.kv_sink", "positions kept at the start of bounded (sliding) layers",
-           parse=int, metavar="N"),
+           parse=int_at_least(0), metavar="N"),
     Option("--window", "engine.kv_window", "most recent positions kept on bounded layers between forwards",
-           parse=int, metavar="N"),
+           parse=int_at_least(1), metavar="N"),
     Option("--kv-windows", "engine.kv_windows",
            "one window per bounded layer, comma-separated (s5: per sliding layer, in layer order), "
            "instead of --window for all", parse=_parse_windows, show=_none_or(lambda v: ",".join(map(str, v)), "none"),
@@ -198,22 +248,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            parse=lambda t: None if t.strip().lower() in ("", "none") else parse_bytes(t),
            show=_none_or(show_bytes, "none"), metavar="BYTES"),
     Option("--rows", "engine.max_rows", "KV rows: sessions and stateless requests resident at once",
-           parse=int, metavar="N"),
+           parse=int_at_least(1), metavar="N"),
     Option("--kv-cache-bytes", "engine.kv_cache_bytes",
            "memory for the paged K/V of exact (full-attention) layers, all rows together (e.g. 2G)",
-           parse=parse_bytes, show=show_bytes, metavar="BYTES"),
+           parse=positive_bytes, show=show_bytes, metavar="BYTES"),
     Option("--swap-bytes", "engine.swap_bytes",
            "host memory for rows of idle sessions when rows run short (0: rebuild them from the "
            "transcript instead)", parse=parse_bytes, show=show_bytes, metavar="BYTES"),
     Option("--max-num-batched-tokens", "engine.max_num_batched_tokens",
            "tokens per engine step (decodes + prefill chunks; auto: 8192 on CUDA, 512 on the CPU)",
-           parse=int, show=lambda v: "auto" if v is None else str(v), metavar="N",
+           parse=int_at_least(1), show=lambda v: "auto" if v is None else str(v), metavar="N",
            old_env=("S5_MAX_BATCHED_TOKENS",)),
     Option("--max-decode-stall-ms", "engine.max_decode_stall_ms",
            "while prompts wait to prefill, decoding rows may pause this long so prefill chunks get "
            "the whole step (lower TTFT under bursts, one long gap per stream instead of one per "
            "prefill step); 0: decode every step (auto: 1000 on CUDA, 0 on the CPU)",
-           parse=float, show=lambda v: "auto" if v is None else f"{v:g}", metavar="MS"),
+           parse=seconds(0.0), show=lambda v: "auto" if v is None else f"{v:g}", metavar="MS"),
     Option("--pdl", "engine.pdl",
            "launch the engine's GPU kernels with programmatic dependent launch where the GPU "
            "supports it (small decode batches; results are the same either way)",
@@ -228,10 +278,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "server per file), or a postgresql://user@host/db URL shared by the replicas of a cluster "
            "('none': sessions live in memory only)",
            default=default_session_db, metavar="FILE|URL"),
-    Option("--session-ttl", "session_ttl_s", "seconds an idle session is kept", parse=float, metavar="SECONDS"),
+    Option("--session-ttl", "session_ttl_s", "seconds an idle session is kept", parse=seconds(0.0, above=True),
+           metavar="SECONDS"),
     # HTTP
     Option("--host", "host", "address to bind; 0.0.0.0 serves every interface (set API keys then)"),
-    Option("--port", "port", "port to bind", parse=int),
+    Option("--port", "port", "port to bind", parse=int_at_least(1, 65535)),
     Option("--api-keys", "api_keys",
            "accepted API keys, comma-separated; the flag may be repeated. None: no authentication",
            parse=parse_keys, show=lambda v: f"{len(v)} key(s)" if v else "none",
@@ -239,18 +290,19 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--served-model-name", "served_model_name", "the model name /v1/models reports",
            show=_none_or(str, "the model's own"), metavar="NAME"),
     Option("--queue-size", "max_queued", "requests waiting or running before new ones get 429",
-           parse=int, metavar="N"),
+           parse=int_at_least(1), metavar="N"),
     Option("--max-sessions-per-key", "max_sessions_per_key",
-           "sessions one API key may hold; more get 429 too_many_sessions", parse=int, metavar="N"),
+           "sessions one API key may hold; more get 429 too_many_sessions", parse=int_at_least(1), metavar="N"),
     Option("--max-requests-per-key", "max_requests_per_key",
-           "requests of one API key waiting or running; more get 429 too_many_requests", parse=int, metavar="N"),
+           "requests of one API key waiting or running; more get 429 too_many_requests", parse=int_at_least(1),
+           metavar="N"),
     Option("--max-body-bytes", "max_body_bytes", "larger request bodies get 413",
-           parse=parse_bytes, show=show_bytes, metavar="BYTES"),
+           parse=positive_bytes, show=show_bytes, metavar="BYTES"),
     Option("--keep-alive", "keep_alive_s",
            "seconds an idle HTTP connection stays open (keep above clients' pool expiry)",
-           parse=float, metavar="SECONDS"),
+           parse=seconds(0.0, above=True), metavar="SECONDS"),
     Option("--drain-grace", "drain_grace_s",
-           "on SIGTERM, seconds streams in flight get to finish", parse=float, metavar="SECONDS"),
+           "on SIGTERM, seconds streams in flight get to finish", parse=seconds(0.0), metavar="SECONDS"),
     Option("--access-log", "access_log", "log one line per HTTP request",
            parse=parse_on_off, show=lambda v: "on" if v else "off", metavar="{on,off}"),
     Option("--api-servers", "api_servers",
@@ -317,7 +369,11 @@ def parse_serve_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     engine_kw["quantization"] = None if quantization == "none" else quantization
     db = engine_kw["session_db"]
     engine_kw["session_db"] = None if db is None or db.strip().lower() in ("", "none") else db
-    return Settings(engine=EngineConfig(**engine_kw), **settings_kw)
+    try:
+        engine = EngineConfig(**engine_kw)
+    except ValueError as err:  # a combination of values the engine refuses (each flag alone parsed)
+        (parser or serve_parser()).error(str(err))
+    return Settings(engine=engine, **settings_kw)
 
 
 def is_loopback(host: str) -> bool:

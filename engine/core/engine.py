@@ -44,7 +44,7 @@ from engine.core.ahead import AheadSteps
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.responses import ResponseStore
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.session_db import open_session_db
+from engine.core.session_db import SessionFileLock, open_session_db
 from engine.core.sessions import Session, SessionTable, fingerprint
 from engine.core.structured import Grammars
 from engine.core.types import (EngineError, FinishReason, Request, RequestOutput, StepLogits, TokenLogprobs,
@@ -70,7 +70,9 @@ class _Batch(NamedTuple):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 session_lock: SessionFileLock | None = None) -> None:
+        """`session_lock`: the session file's lock, taken already (it passes to the store)."""
         self.config = config
         loaded = loaded or load_model(config)
         self.model_name = loaded.name
@@ -101,8 +103,8 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "evictions": 0, "rows_released": 0,
                       "swaps_out": 0, "swaps_in": 0, "rebuilds": 0, "rebuild_forwards": 0, "session_db_errors": 0}
         # an SQLite file, or a PostgreSQL store shared by replicas (the table asks it through SharedStore)
-        db = (open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size, self.kv_windows))
-              if config.session_db else None)
+        db = (open_session_db(config.session_db, fingerprint(loaded.name, config, geo.vocab_size, self.kv_windows),
+                              session_lock) if config.session_db else None)
         self.sessions = SessionTable(self.pool, config.swap_bytes, self.stats, db)
         # stored responses of /v1/responses, in the same store (its verbs: ipc.CALLS)
         self.responses = ResponseStore(db.responses() if db is not None else None, self.stats)

@@ -153,12 +153,15 @@ def _unpack(blob: bytes) -> list[int]:
 class SessionDB:
     shared = False  # one process per file: what this process holds in memory is the truth
 
-    def __init__(self, path: str | Path, fingerprint: str) -> None:
+    def __init__(self, path: str | Path, fingerprint: str, lock: SessionFileLock | None = None) -> None:
+        """`lock`: the file's lock, taken by the caller before (the engine process takes it
+        before loading the model, so a second server on the file stops at once); it passes to
+        this store. None: taken here (SessionFileBusy if another process has the file)."""
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.fingerprint = fingerprint
-        self._lock = SessionFileLock(path)  # SessionFileBusy if another process has the file
+        self._lock = lock if lock is not None else SessionFileLock(path)
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -440,8 +443,9 @@ class PostgresSessionDB:
         return postgres_table(self._db)
 
 
-def open_session_db(target: str, fingerprint: str) -> SessionDB | PostgresSessionDB:
-    """A PostgreSQL store for a postgresql:// (or postgres://) URL, else an SQLite file."""
+def open_session_db(target: str, fingerprint: str, lock: SessionFileLock | None = None) -> SessionDB | PostgresSessionDB:
+    """A PostgreSQL store for a postgresql:// (or postgres://) URL, else an SQLite file (`lock`:
+    its lock, already taken: `SessionDB`)."""
     if is_postgres_url(target):
         return PostgresSessionDB(target, fingerprint)
-    return SessionDB(target, fingerprint)
+    return SessionDB(target, fingerprint, lock)

@@ -70,3 +70,41 @@ def test_a_second_server_on_the_same_file_exits_at_once(tmp_path):
         assert db in second.stderr and "--session-db" in second.stderr, second.stderr
         assert "Uvicorn running" not in second.stderr + second.stdout
         assert httpx.get(f"{url}/ready").status_code == 200  # the first server is untouched
+
+
+# the engine process with its Engine replaced by one that checks the session file while it would
+# load the model, and then fails (the process reports the failure and exits 1)
+LOADING = textwrap.dedent("""
+    import logging, os, sys
+    import zmq
+    from engine import ipc, process
+    from engine.core import engine as core_engine
+    from engine.core.config import EngineConfig
+    from engine.core.session_db import SessionFileBusy, SessionFileLock
+
+    def loading(self, config, loaded=None, session_lock=None):
+        try:
+            SessionFileLock(config.session_db).release()
+            print("free while loading", flush=True)
+        except SessionFileBusy:
+            print("held while loading", flush=True)
+        raise RuntimeError("stop here")
+
+    core_engine.Engine.__init__ = loading
+    ends = ipc.endpoints(1)
+    pull = zmq.Context().socket(zmq.PULL)
+    pull.bind(ends.outs[0])
+    try:
+        process.run_engine(EngineConfig(model="tiny-random", session_db=sys.argv[1]), ends, os.getppid(),
+                           logging.WARNING)
+    except SystemExit as e:
+        print("exit", e.code, type(ipc.decoder(ipc.Failed).decode(pull.recv())).__name__, flush=True)
+""")
+
+
+def test_the_engine_process_holds_the_file_while_the_model_loads(tmp_path):
+    """The engine process takes the session file's lock before it loads the model (and passes
+    it to the store), so a second server on the file stops at once, not after its own load."""
+    run = subprocess.run([sys.executable, "-c", LOADING, str(tmp_path / "s.sqlite3")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.split("\n")[:2] == ["held while loading", "exit 1 Failed"], run.stdout + run.stderr

@@ -160,3 +160,43 @@ def test_front_ends_one_on_the_cpu_one_per_four_cores_on_cuda(monkeypatch):
         assert parse_serve_args(["--device", "cuda", "--api-servers", "1"]).front_ends() == 1
     with pytest.raises(SystemExit):
         parse_serve_args(["--api-servers", "0"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--window", "-1"], "--window"), (["--window", "0"], "--window"), (["--sink", "-3"], "--sink"),
+    (["--rows", "0"], "--rows"), (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--max-decode-stall-ms", "-1"], "--max-decode-stall-ms"), (["--queue-size", "0"], "--queue-size"),
+    (["--session-ttl", "-1"], "--session-ttl"), (["--session-ttl", "nan"], "--session-ttl"),
+    (["--drain-grace", "inf"], "--drain-grace"), (["--keep-alive", "-1"], "--keep-alive"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"), (["--max-sessions-per-key", "-1"], "--max-sessions-per-key"),
+    (["--max-requests-per-key", "0"], "--max-requests-per-key"), (["--port", "70000"], "--port"),
+    (["--max-model-len", "-5"], "--max-model-len"), (["--device", "tpu"], "--device"),
+    (["--model", "/nonexistent/model/dir"], "no model directory"),
+    # each value fine alone, refused together by the engine's own checks: a usage error too
+    (["--kv-budget", "0"], "kv_budget"), (["--kv-windows", "0,1"], "kv_windows"),
+    (["--quantization", "int8", "--device", "cuda"], "int8"),
+])
+def test_values_out_of_range_are_usage_errors(argv, says, capsys):
+    """A value the server cannot run with stops `s5serve serve` at once with a usage error (exit
+    2) naming it, instead of a traceback, or a server that reports ready and refuses everything."""
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_the_same_values_from_the_environment_are_refused_too(monkeypatch, capsys):
+    monkeypatch.setenv("S5_WINDOW", "-1")
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args([])
+    assert e.value.code == 2 and "S5_WINDOW='-1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("db, says", [("{tmp}", "is a directory"), ("{tmp}/file/sessions.sqlite3", "cannot use")])
+def test_a_session_db_that_cannot_be_used_is_a_clear_error(db, says, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a directory")
+    code = main(["serve", "--model", "tiny-random", "--session-db", db.format(tmp=tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
