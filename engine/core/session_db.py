@@ -168,6 +168,14 @@ class SessionDB:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(SCHEMA)
+            # a store that opens but cannot be written (a read-only file or mount) would refuse
+            # every new session while the server reports ready: find out now, with a write undone
+            self._db.executescript("BEGIN IMMEDIATE; CREATE TABLE write_probe (x); ROLLBACK;")
+        except sqlite3.Error as err:
+            self._lock.release()
+            raise SessionStoreError(f"cannot use the session database {path}: {err} (fix the file or its "
+                                    f"permissions, give another --session-db, or --session-db none to keep "
+                                    f"sessions in memory only)") from err
         except BaseException:
             self._lock.release()
             raise

@@ -1,6 +1,7 @@
 """One server per session file: a SessionDB holds an exclusive lock on its file, and a second
 `s5serve serve` on the same file exits at once with a message naming the file and `--session-db`."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -108,3 +109,31 @@ def test_the_engine_process_holds_the_file_while_the_model_loads(tmp_path):
     run = subprocess.run([sys.executable, "-c", LOADING, str(tmp_path / "s.sqlite3")], capture_output=True,
                          text=True, timeout=120)
     assert run.stdout.split("\n")[:2] == ["held while loading", "exit 1 Failed"], run.stdout + run.stderr
+
+
+def test_a_store_that_cannot_be_written_or_read_is_refused_at_start_naming_the_file(tmp_path):
+    """A session file that opens but cannot be written (a read-only file or mount) would have the
+    server report ready and refuse every new session; a file that is not a database would fail
+    with a message that does not say which. Both are refused when the store opens, naming it."""
+    from engine.core.session_db import SessionStoreError
+
+    path = tmp_path / "sessions.sqlite3"
+    SessionDB(path, "fp").close()
+    if os.geteuid() == 0:  # root writes through file modes: make the file immutable instead
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("running as root where chattr cannot make a file immutable")
+    else:
+        path.chmod(0o444)
+    try:
+        with pytest.raises(SessionStoreError) as e:
+            SessionDB(path, "fp")
+        assert str(path) in str(e.value) and "--session-db" in str(e.value)
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        path.chmod(0o644)
+    SessionDB(path, "fp").close()  # the lock was released: the file opens once writable again
+    bad = tmp_path / "garbage.sqlite3"
+    bad.write_bytes(b"not a database " * 100)
+    with pytest.raises(SessionStoreError) as e:
+        SessionDB(bad, "fp")
+    assert str(bad) in str(e.value) and "not a database" in str(e.value)
