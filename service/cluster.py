@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,6 +224,18 @@ class Gateway:
         self.engines = engines  # DeploymentHandle of EngineReplica
         self.max_body_bytes = max_body_bytes
         self.in_flight: dict[str, tuple[str, str]] = {}  # client's request id -> (replica, app's id)
+        # responses begun and not yet ended (a response whose body never started iterating, its
+        # client gone first, stays counted: a drain then waits out its grace instead of cutting)
+        self.active = 0
+        self.draining = False  # `drain`: new requests get 503, responses in flight run on
+
+    async def drain(self) -> tuple[str, int]:
+        """Stop taking requests (503 `draining`, as a single server's drain answers); returns this
+        gateway's replica id and its responses still in flight. Idempotent: the driver polls it."""
+        from ray import serve
+
+        self.draining = True
+        return serve.get_replica_context().replica_id.unique_id, self.active
 
     async def __call__(self, request):
         from ray.serve.exceptions import BackPressureError
@@ -230,6 +243,9 @@ class Gateway:
 
         from service.errors import envelope
 
+        if self.draining:
+            return JSONResponse(envelope(503, "server is draining", "draining"), status_code=503,
+                                headers={"Retry-After": "5"})
         body = b""
         async for chunk in request.stream():
             body += chunk
@@ -247,12 +263,15 @@ class Gateway:
         call = HTTPCall(request.method, path, request.url.query.encode(), list(request.headers.raw), body,
                         (request.client.host, request.client.port) if request.client else None)
         stream = handle.handle.remote(call)
+        self.active += 1
         try:
             head = await stream.__anext__()
         except BackPressureError:  # every replica full and the gateway's queue too
+            self.active -= 1
             return JSONResponse(envelope(429, "too many requests in flight; retry later", "queue_full"),
                                 status_code=429, headers={"Retry-After": "1"})
         except Exception as exc:  # no replica answered (it died before its response began)
+            self.active -= 1
             log.warning("%s %s: no replica answered: %s", request.method, path, exc)
             stream.cancel()
             return JSONResponse(envelope(503, "the replica serving this request failed; retry", "replica_failed"),
@@ -277,6 +296,7 @@ class Gateway:
             finally:
                 stream.cancel()
                 self.in_flight.pop(client_id, None)
+                self.active -= 1
 
         response = StreamingResponse(chunks(), status_code=head["status"])
         response.raw_headers = [(k, v) for k, v in head["headers"]
@@ -348,6 +368,9 @@ def cluster_parser():
 
     p = serve_parser()
     p.prog = "s5serve cluster"
+    p.epilog = ("Every flag of s5serve serve has an environment variable (shown with it): a flag on the command "
+                "line wins over the variable, the variable over the default; the cluster's own flags (below) "
+                "are flags only. Byte counts take K, M, G suffixes (powers of 1024).")
     p.description = ("Serve a model from N replicas on Ray Serve behind one HTTP ingress (the routes of "
                      "s5serve serve); each session is served by one replica, and sessions are shared "
                      "through PostgreSQL (--session-db postgresql://...).")
@@ -384,6 +407,8 @@ def parse_cluster_args(argv: list[str] | None = None) -> ClusterSettings:
 
     if a.replicas < 1:
         p.error("--replicas must be at least 1")
+    if a.replica_cpus < 0 or (a.replica_gpus is not None and a.replica_gpus < 0) or a.gateways < 1:
+        p.error("--replica-cpus and --replica-gpus must be at least 0, --gateways at least 1")
     if settings.api_servers not in (None, 1):
         p.error("--api-servers is s5serve serve's: a cluster's replicas serve through Ray Serve's HTTP proxy "
                 "(--gateways sets how many)")
@@ -398,15 +423,58 @@ def parse_cluster_args(argv: list[str] | None = None) -> ClusterSettings:
                            stream_messages_per_s=a.stream_messages_per_s)
 
 
-def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:
-    """Ray (joined or started here), Serve's HTTP proxy on the serve settings' host and port, and
-    the application; returns once every replica is ready."""
+def connect(ray_address: str | None = None) -> None:
+    """Ray: the cluster at `ray_address` joined, or started here (None), unless already up."""
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=ray_address, runtime_env=runtime_env(), include_dashboard=False,
                  configure_logging=True, logging_level=logging.WARNING)
+
+
+def resource_problem(cluster: ClusterSettings) -> str | None:
+    """Why the replicas cannot all be placed on the Ray cluster as it is (Serve would wait for
+    them forever), or None."""
+    import ray
+
+    have = ray.cluster_resources()
+    for kind, each, flag in (("CPU", cluster.replica_cpus, "--replica-cpus"), ("GPU", cluster.replica_gpus,
+                                                                                "--replica-gpus")):
+        need = cluster.replicas * each
+        if need > have.get(kind, 0.0) + 1e-9:
+            return (f"{cluster.replicas} replicas x {each:g} {kind}{'' if each == 1 else 's'} each need {need:g} "
+                    f"{kind}s, and the Ray "
+                    f"cluster has {have.get(kind, 0.0):g}: start fewer replicas, or a smaller {flag}"
+                    + (" (0: any number per machine)" if kind == "CPU" else ""))
+    return None
+
+
+def drain(cluster: ClusterSettings, poll_s: float = 0.2) -> bool:
+    """The gateways stop taking requests (503 `draining`) and responses in flight get the serve
+    settings' drain grace to end. True if every gateway reported none left in time."""
+    import time
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
+    deadline = time.monotonic() + cluster.serve.drain_grace_s
+    left: dict[str, int] = {}  # gateway replica -> its responses in flight, as last reported
+    while True:
+        replica, active = handle.drain.remote().result(timeout_s=30)
+        left[replica] = active
+        if len(left) >= cluster.gateways and not any(left.values()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:
+    """Ray (joined or started here: `connect`), Serve's HTTP proxy on the serve settings' host
+    and port, and the application; returns once every replica is ready."""
+    from ray import serve
+
+    connect(ray_address)
     serve.start(http_options={"host": cluster.serve.host, "port": cluster.serve.port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     serve.run(build_app(cluster), name=APP_NAME, route_prefix="/", blocking=False)
@@ -436,14 +504,36 @@ def main(argv: list[str]) -> int:
 
         print("preparing the embedded model (converted once, then cached)...", flush=True)
         embedded_dir(cluster.serve.engine.cache_dir, report=lambda line: print(line, flush=True))
-    stopping = threading.Event()
+    ready, stopping = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        if not ready.is_set() or stopping.is_set():  # still starting, or a second signal: stop now
+            raise KeyboardInterrupt
+        stopping.set()
+
+    connect(address)  # before the handlers: starting Ray installs a SIGTERM handler of its own
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-    start(cluster, address)
+        signal.signal(sig, on_signal)
+    try:
+        if address is None and (problem := resource_problem(cluster)) is not None:
+            print(f"s5serve cluster: {problem}", file=sys.stderr)
+            stop()
+            return 2
+        start(cluster, address)
+    except KeyboardInterrupt:
+        log.info("stopped while starting")
+        stop()
+        return 1
+    ready.set()
     log.info("s5serve cluster ready: %d replicas on http://%s:%d", cluster.replicas, cluster.serve.host,
              cluster.serve.port)
     print(f"ready: {cluster.replicas} replicas on http://{cluster.serve.host}:{cluster.serve.port}", flush=True)
     stopping.wait()
-    log.info("draining the replicas (up to %.0f s)", cluster.serve.drain_grace_s)
+    log.info("draining: new requests get 503; responses in flight get up to %.0f s", cluster.serve.drain_grace_s)
+    try:
+        if not drain(cluster):
+            log.warning("drain grace over: the responses still in flight are cut")
+    except KeyboardInterrupt:
+        log.warning("a second signal: stopping now")
     stop()
     return 0

@@ -77,3 +77,20 @@ def test_serve_run_builder_takes_the_flags_as_arguments():
 ])
 def test_the_session_a_request_belongs_to(path, headers, body, key):
     assert session_key(path, Headers(headers), body) == key
+
+
+def test_replicas_that_cannot_all_be_placed_are_refused_up_front(monkeypatch):
+    """Ray Serve would wait forever for a replica no machine can hold: the CPUs and GPUs the
+    replicas reserve are checked against the Ray cluster's before they are asked for."""
+    import ray
+
+    from service.cluster import resource_problem
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    problem = resource_problem(parse_cluster_args(["--replicas", "3", "--session-db", "none"]))
+    assert "3 replicas" in problem and "2" in problem and "--replica-cpus" in problem
+    assert resource_problem(parse_cluster_args(["--replicas", "2", "--session-db", "none"])) is None
+    assert resource_problem(parse_cluster_args(["--replicas", "3", "--replica-cpus", "0", "--session-db", "none"])) is None
+    gpus = resource_problem(parse_cluster_args(["--replicas", "2", "--device", "cuda", "--replica-cpus", "0",
+                                                "--session-db", "none"]))
+    assert "GPUs" in gpus and "--replica-gpus" in gpus
