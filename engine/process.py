@@ -92,7 +92,12 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
     finally:
         engine.close()
         _close(ctx, inbox, *outboxes)
-    sys.exit(code)
+    # Everything is closed: end without the interpreter's teardown, in which compiled extensions
+    # (Triton's) report every object they still hold as leaked, hundreds of lines per shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # Prompt lengths of the warm-up requests, run one after another. The first forward of each kind in a
