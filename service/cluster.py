@@ -129,6 +129,15 @@ class EngineReplica:
                 raise RuntimeError(f"replica failed to start: {self.state.load_error or self.state.fatal}")
             await asyncio.sleep(0.05)
 
+    async def abort_in_flight(self) -> int:
+        """End every request this replica runs at the engine's next step: its stream then ends
+        with finish reason `abort` and `[DONE]`, as a single server ends those past its drain
+        grace. Returns how many."""
+        ids = self.state.active.ids()
+        for rid in ids:
+            self.state.engine.abort(rid)
+        return len(ids)
+
     async def handle(self, call: HTTPCall) -> AsyncIterator[dict | bytes]:
         """The app's response to `call`: a head ({"status", "headers"}), then body chunks."""
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
@@ -449,24 +458,39 @@ def resource_problem(cluster: ClusterSettings) -> str | None:
     return None
 
 
-def drain(cluster: ClusterSettings, poll_s: float = 0.2) -> bool:
+def drain(cluster: ClusterSettings, poll_s: float = 0.2, end_s: float = 5.0) -> bool:
     """The gateways stop taking requests (503 `draining`) and responses in flight get the serve
-    settings' drain grace to end. True if every gateway reported none left in time."""
+    settings' drain grace to end; past it, every engine replica ends the requests it still runs
+    (finish reason `abort`), and their streams get `end_s` more to deliver that. True if every
+    gateway reported none left within the grace."""
     import time
 
+    import ray
     from ray import serve
 
-    handle = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
-    deadline = time.monotonic() + cluster.serve.drain_grace_s
+    gateways = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
     left: dict[str, int] = {}  # gateway replica -> its responses in flight, as last reported
-    while True:
-        replica, active = handle.drain.remote().result(timeout_s=30)
-        left[replica] = active
-        if len(left) >= cluster.gateways and not any(left.values()):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
+
+    def wait(until: float) -> bool:
+        while True:
+            replica, active = gateways.drain.remote().result(timeout_s=30)
+            left[replica] = active
+            if len(left) >= cluster.gateways and not any(left.values()):
+                return True
+            if time.monotonic() >= until:
+                return False
+            time.sleep(poll_s)
+
+    if wait(time.monotonic() + cluster.serve.drain_grace_s):
+        return True
+    engines = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            target = engines.options(multiplexed_model_id=_target_replica(actor["name"][len(prefix):]))
+            target.abort_in_flight.remote().result(timeout_s=30)
+    wait(time.monotonic() + end_s)
+    return False
 
 
 def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:
@@ -532,7 +556,7 @@ def main(argv: list[str]) -> int:
     log.info("draining: new requests get 503; responses in flight get up to %.0f s", cluster.serve.drain_grace_s)
     try:
         if not drain(cluster):
-            log.warning("drain grace over: the responses still in flight are cut")
+            log.warning("drain grace over: the requests still running were ended (finish reason abort)")
     except KeyboardInterrupt:
         log.warning("a second signal: stopping now")
     stop()

@@ -280,32 +280,47 @@ def test_a_turn_is_cancelled_by_its_request_id_or_when_its_client_goes_away(clus
 
 
 # Last in this module: it leaves the gateway draining (the fixture then stops the cluster).
-def test_a_drain_refuses_new_requests_and_lets_streams_in_flight_finish(cluster):
+def test_a_drain_refuses_new_requests_lets_streams_finish_and_ends_the_rest_at_its_grace(cluster):
     """What SIGTERM or Ctrl-C starts in `s5serve cluster`: the gateway answers new requests 503
-    `draining` while a stream already running goes on to its last event, and the drain returns
-    once none is left (then the cluster stops)."""
+    `draining`; a stream that ends within the grace runs to its last event; one still running at
+    the grace's end is ended by its replica (finish reason "abort"); every stream ends with
+    [DONE], and then the cluster stops."""
     import threading
 
     from service.cluster import drain
 
-    settings = parse_cluster_args([*ENGINE, "--session-db", "none", "--replicas", "1", "--drain-grace", "120"])
-    body = {"prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
-    events, drained = [], {}
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
-        lines = (line for line in r.iter_lines() if line.startswith("data: "))
-        events.append(next(lines))
-        thread = threading.Thread(target=lambda: drained.setdefault("ok", drain(settings)))
-        thread.start()
-        deadline = time.monotonic() + 30
-        while True:  # the gateway refuses new work once the drain has reached it
-            refused = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
-            if refused.status_code == 503:
-                break
-            assert time.monotonic() < deadline, refused.text
-            time.sleep(0.1)
-        assert refused.json()["error"]["code"] == "draining" and refused.headers["retry-after"]
-        assert thread.is_alive()  # the stream is still running: the drain waits for it
-        events += list(lines)
+    grace = 3.0
+    settings = parse_cluster_args([*ENGINE, "--session-db", "none", "--replicas", "1", "--drain-grace", str(grace)])
+    events: dict[str, list[str]] = {"short": [], "long": []}
+    started = {name: threading.Event() for name in events}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events[name].append(line)
+                    started[name].set()
+
+    streams = [threading.Thread(target=stream, args=("short", 40)), threading.Thread(target=stream, args=("long", 4000))]
+    for t in streams:
+        t.start()
+    assert all(e.wait(60) for e in started.values())
+    drained, t0 = {}, time.monotonic()
+    thread = threading.Thread(target=lambda: drained.setdefault("ok", drain(settings)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:  # the gateway refuses new work once the drain has reached it
+        refused = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
+        if refused.status_code == 503:
+            break
+        assert time.monotonic() < deadline, refused.text
+        time.sleep(0.1)
+    assert refused.json()["error"]["code"] == "draining" and refused.headers["retry-after"]
     thread.join(60)
-    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
-    assert drained == {"ok": True}
+    for t in streams:
+        t.join(60)
+    assert drained == {"ok": False} and time.monotonic() - t0 >= grace  # the long stream outlived the grace
+    for name, finish in (("short", "length"), ("long", "abort")):
+        assert events[name][-1] == "data: [DONE]", events[name][-3:]
+        assert json.loads(events[name][-2][6:])["choices"][0]["finish_reason"] == finish, events[name][-2]
