@@ -26,25 +26,29 @@ def _lp(x: float) -> float:
 
 
 class TokenText:
-    """Token id -> (text, bytes), cached per tokenizer."""
+    """Token id -> (text, bytes, the byte of a byte-fallback token), cached per tokenizer."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._text)
-        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+        self.byte = lru_cache(maxsize=65536)(self._byte)
 
     def _text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def _bytes(self, token_id: int) -> list[int]:
-        if self.tokenizer is not None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            m = _BYTE.match(piece) if isinstance(piece, str) else None
-            if m:
-                return [int(m.group(1), 16)]
-        return list(self.text(token_id).encode("utf-8", errors="replace"))
+    def _byte(self, token_id: int) -> int | None:
+        """The byte a byte-fallback token (`<0xE6>`) stands for; None for any other token."""
+        if self.tokenizer is None:
+            return None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        m = _BYTE.match(piece) if isinstance(piece, str) else None
+        return int(m.group(1), 16) if m else None
+
+    def bytes(self, token_id: int) -> list[int]:
+        b = self.byte(token_id)
+        return [b] if b is not None else list(self.text(token_id).encode("utf-8", errors="replace"))
 
 
 def chat(texts: TokenText, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
@@ -63,12 +67,8 @@ def _completion_token(texts: TokenText, token_id: int) -> str:
     """A token as the completions API names it: its text, or, for a byte-fallback token (a piece
     of a character; its text alone is U+FFFD), `bytes:\\xNN` as the OpenAI API writes such a
     token, so two byte tokens never share a name."""
-    text = texts.text(token_id)
-    if "\ufffd" in text:
-        b = texts.bytes(token_id)
-        if len(b) == 1:
-            return f"bytes:\\x{b[0]:02x}"
-    return text
+    b = texts.byte(token_id)
+    return texts.text(token_id) if b is None else f"bytes:\\x{b:02x}"
 
 
 class TextOffsets:
@@ -82,11 +82,10 @@ class TextOffsets:
 
     def advance(self, texts: TokenText, token_id: int) -> int:
         """The offset of this token's text; moves past it."""
-        text = texts.text(token_id)
-        b = texts.bytes(token_id)
-        if "\ufffd" in text and len(b) == 1:
+        b = texts.byte(token_id)
+        if b is not None:
             at = self.offset
-            self.pending += bytes(b)
+            self.pending += bytes((b,))
             try:
                 self.offset += len(self.pending.decode("utf-8"))
                 self.pending = b""
@@ -97,7 +96,7 @@ class TextOffsets:
         if self.pending:
             self.offset, self.pending = self.offset + 1, b""
         at = self.offset
-        self.offset += len(text)
+        self.offset += len(texts.text(token_id))
         return at
 
 
