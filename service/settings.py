@@ -85,18 +85,6 @@ def show_bytes(n: int) -> str:
     return str(n)
 
 
-def _auto_or_positive_int(text: str) -> int | None:
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
 def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     """A parser of whole numbers in [low, high]."""
     def parse(text: str) -> int:
@@ -206,7 +194,8 @@ def _parse_windows(text: str) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of windows: {text!r}") from None
 
 
-def _parse_int_or_auto(text: str) -> int | None:
+def _auto_or_positive_int(text: str) -> int | None:
+    """None for auto (or none, or nothing), else a whole number of at least 1."""
     return None if text.strip().lower() in ("", "auto", "none") else int_at_least(1)(text)
 
 
@@ -228,7 +217,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "int8 CPU kernel: auto (AVX-512 VNNI where the CPU has it, else AVX2), avx512-vnni or avx2; "
            "every choice gives the same results", choices=CPU_KERNELS),
     Option("--max-model-len", "engine.max_model_len", "longest context (prompt + output) in tokens",
-           parse=_parse_int_or_auto, show=_none_or(str, "the model's maximum"), metavar="TOKENS"),
+           parse=_auto_or_positive_int, show=_none_or(str, "the model's maximum"), metavar="TOKENS"),
     # KV rows and scheduling
     Option("--kv-policy", "engine.kv_policy",
            "s5: sliding layers keep sink + window positions between forwards; native: the model's "
