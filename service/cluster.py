@@ -465,7 +465,6 @@ def drain(cluster: ClusterSettings, poll_s: float = 0.2, end_s: float = 5.0) -> 
     gateway reported none left within the grace."""
     import time
 
-    import ray
     from ray import serve
 
     gateways = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
@@ -484,13 +483,19 @@ def drain(cluster: ClusterSettings, poll_s: float = 0.2, end_s: float = 5.0) -> 
     if wait(time.monotonic() + cluster.serve.drain_grace_s):
         return True
     engines = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith(prefix):
-            target = engines.options(multiplexed_model_id=_target_replica(actor["name"][len(prefix):]))
-            target.abort_in_flight.remote().result(timeout_s=30)
+    for replica in engine_replicas():
+        engines.options(multiplexed_model_id=_target_replica(replica)).abort_in_flight.remote().result(timeout_s=30)
     wait(time.monotonic() + end_s)
     return False
+
+
+def engine_replicas() -> set[str]:
+    """The unique ids of the engine replicas' live actors."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
 
 
 def start(cluster: ClusterSettings, ray_address: str | None = None) -> None:

@@ -16,7 +16,8 @@ import pytest
 import ray
 from ray import serve
 
-from service.cluster import APP_NAME, ENGINE_DEPLOYMENT, REPLICA_HEADER, parse_cluster_args, runtime_env, start, stop
+from service.cluster import (APP_NAME, ENGINE_DEPLOYMENT, REPLICA_HEADER, engine_replicas, parse_cluster_args,
+                             runtime_env, start, stop)
 from service.settings import parse_serve_args
 from tests.servers import LiveServer, free_port
 
@@ -127,19 +128,12 @@ def wait_for_leases_released(db: str, timeout: float = 60) -> float:
     raise AssertionError(f"a dead replica's session lease was still held after {timeout} s")
 
 
-def replica_actors() -> set[str]:
-    """The unique ids of the engine replicas' live actors."""
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
-    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
-
-
 def wait_for_replicas(killed: str, n: int = 2, timeout: float = 180) -> None:
     """Until Ray Serve has replaced the killed replica: n replicas running, the killed one not."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         states = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT].replica_states
-        actors = replica_actors()
+        actors = engine_replicas()
         if states == {"RUNNING": n} and len(actors) == n and killed not in actors:
             return
         time.sleep(0.5)
