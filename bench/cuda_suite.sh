@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-block|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -47,10 +47,10 @@ stage_experts() {  # SIDE: the 26B-A4B experts' two stages at 1 and 8 tokens
   (stage_side "$1" && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows \
     --out "$out/$1" --tag stage-$1-experts 2>&1 | tee "$out/tune-stage-$1.log" | tail -7)
 }
-stage_decode() {  # SHAPE SIDE: 4-bit decode at N=1 and 8
+stage_decode() {  # SHAPE SIDE: 4-bit decode at N=1 and 8 (DECODE_N)
   local out; out=$(cd "$OUT" && pwd)
   (stage_side "$2" && timeout 200 python3 -m bench.throughput --shape "$1" --dtype bfloat16 --weights bnb-4bit \
-    --layers fused --policies s5 --n 1 8 --no-quality --out "$out/$2" --tag stage-$2 2>&1 \
+    --layers fused --policies s5 --n ${DECODE_N:-1 8} --no-quality --out "$out/$2" --tag stage-$2 2>&1 \
     | tee "$out/throughput-$1-stage-$2.log" | tail -6)
 }
 case "${2:-}" in
@@ -169,6 +169,21 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     stage_decode gemma4-26b-a4b after
     if [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ]; then echo "no time left for BEFORE"
     else stage_decode gemma4-26b-a4b before; fi ;;
+  nf4-block)  # the block tiles (1-64 rows of x): STEPS of tests (the extension built, the block
+    # tiles' and the plans' GPU tests), launches (every launch at 16 and 64 rows of x against the
+    # Triton plan's), decode (4-bit Gemma-3 4B at DECODE_N, default 16 and 64, this tree then BEFORE)
+    for step in ${STEPS:-tests launches decode}; do
+      case $step in
+        tests)
+          python3 -c "from engine.kernels import nf4_cuda; print('CUDA NF4 kernel built:', nf4_cuda.extension() is not None)"
+          stage_tests cuda-tests-nf4-block "block_tiles or plans" 240 ;;
+        launches)
+          timeout 300 python3 -m bench.nf4_cuda --shape gemma3-4b --rows ${ROWS:-16 64} --out "$OUT" 2>&1 \
+            | tee "$OUT/nf4-cuda-block.log" | grep -v disagrees | head -60 ;;
+        decode)
+          for side in after before; do DECODE_N=${DECODE_N:-16 64} stage_decode gemma3-4b $side; done ;;
+      esac
+    done ;;
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
     for side in after before; do stage_decode gemma3-4b $side; done ;;
   nf4-figures)  # the 4-bit figures the GPU issue's targets name: decode of Gemma-3 4B (N=1, 8, 64)

@@ -1,8 +1,9 @@
 """NF4 products of few rows in CUDA C++ (engine/kernels/cuda/nf4_gemv.cu, kernels/nf4_cuda.py)
 against the engine's Triton kernels on the same weights: a grid of the kernel's launches (1-8
-weight rows per warp on FMAs, one warp per row group or persistent warps; or tiles of 16 weight
-rows on tensor cores; warps per block, K split) per Gemma-3 projection, at one row of x or at
-`--rows` (above one the tiles alone), checked against the library's product on the dequantized
+weight rows per warp on FMAs, one warp per row group or persistent warps; tiles of 16 weight
+rows on tensor cores; block tiles of 32 weight rows per warp, x's rows in the block's ring; warps
+per block, K split) per Gemma-3 projection, at one row of x or at `--rows` (above one the tiles, up
+to 8, and the block tiles, up to 64), checked against the library's product on the dequantized
 weight, beside the Triton-only plan's launch and the bf16 library product, timed the way
 `bench.nf4_kernels` times them (CUDA graphs over copies of the weights, 128 MB or more, so none is
 served from L2). The fastest three launches of each kind (FMAs, tiles) are timed again with one
@@ -40,7 +41,8 @@ from engine.kernels import nf4, nf4_cuda, nf4_plan
 LAUNCHES = ([(rows, warps, split, 0) for rows in (1, 2, 4, 8) for warps in (2, 4, 8) for split in (1, 2, 4)]
             + [(rows, warps, split, per_sm) for rows in (1, 2, 4) for warps in (4, 8) for split in (1, 2)
                for per_sm in (2, 4, 8)]
-            + [(16, warps, split, 1) for warps in (8, 12, 16) for split in (0, 1, 2, 3, 4, 8, 16)])
+            + [(16, warps, split, 1) for warps in (8, 12, 16) for split in (0, 1, 2, 3, 4, 8, 16)]
+            + [(32, warps, split, 1) for warps in (4, 8) for split in (0, 1, 2, 3, 4, 6)])
 
 
 @torch.no_grad()
@@ -50,7 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="gemma3-4b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1],
-                    help="rows of x (above one only the tensor-core tiles take them)")
+                    help="rows of x (above one only the tensor-core tiles (up to 8) and block tiles (up to 64) "
+                         "take them)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--profile", nargs="+", default=None, metavar="LAUNCH[:MODE]",
                     help="run these launches for a profiler and exit")
@@ -91,7 +94,7 @@ def main() -> None:
                 if us:
                     results.append({"us": us, **desc, "launch": launch})
             results.sort(key=lambda r: r["us"])
-            for r in ([r for r in results if r["rows_per_warp"] != tile][:3]
+            for r in ([r for r in results if r["rows_per_warp"] < tile][:3]
                       + [r for r in results if r["rows_per_warp"] == tile][:3]):
                 # the same launches with one stage left out (MODE in the source)
                 launch = r["launch"]
@@ -130,8 +133,9 @@ def main() -> None:
                 for r in results[1:3]:
                     print(f"{'':>38} {r['us']:>8.1f}  {desc(r)}")
                 for kind, pick in (("one warp per row group", lambda r: r["blocks_per_sm"] == 0),
-                                   ("persistent warps", lambda r: r["blocks_per_sm"] > 0 and r["rows_per_warp"] != tile),
-                                   ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile)):
+                                   ("persistent warps", lambda r: r["blocks_per_sm"] > 0 and r["rows_per_warp"] < tile),
+                                   ("tiles on tensor cores", lambda r: r["rows_per_warp"] == tile),
+                                   ("block tiles", lambda r: r["rows_per_warp"] == nf4_cuda.BLOCK_ROWS)):
                     r = next((r for r in results if pick(r)), None)
                     if r:
                         print(f"{'':>12} fastest, {kind}: {r['us']:.1f} us {desc(r)}")

@@ -2,7 +2,7 @@
 kernels/nf4.py: built once per machine by torch's extension loader where a CUDA compiler is
 installed (the build is cached by torch), and None where it is not, or where the build fails, so
 the engine keeps to the Triton kernels. `nf4_plan.plan_nf4` times its launches against those
-kernels on a model's own weights at 1-8 rows, and keeps one only where it is faster and agrees
+kernels on a model's own weights at 1-64 rows, and keeps one only where it is faster and agrees
 with the library's product.
 
 A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
@@ -12,8 +12,10 @@ on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor
 two codes looked up at once from a table in shared memory, the weights streamed to each warp
 through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
 work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
-at the cost of one). It takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's
-rows 16-byte aligned (`fits`: one row, or for tiles up to 8).
+at the cost of one); rows 32 is a block of 4 or 8 warps of 32 weight rows each, walking K together
+through one ring that holds x's rows beside the weights, for 1-64 rows of x (the block tiles). It
+takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned
+(`fits`: one row, for tiles up to 8, for block tiles up to 64).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 
               (2, 4, 1, 4)) + TILE_LAUNCHES
 TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
 MAX_TILE_X_ROWS = 8  # and they take up to this many rows of x (the mma's columns)
+BLOCK_ROWS = 32  # a launch's rows for the block tiles
+MAX_X_ROWS = 64  # and they take up to this many rows of x
+# block tile launches: 8 or 4 warps, one block per SM, K split to spread the blocks (0) or as given
+BLOCK_LAUNCHES = ((32, 8, 0, 1), (32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1), (32, 4, 1, 1))
+
+
+def candidates(m: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The launches the plans time at `m` rows of x: the one-row kernels and the tiles at one row,
+    the tiles and the block tiles at 2-8, the block tiles at 9-64."""
+    if m == 1:
+        return CANDIDATES
+    if m <= MAX_TILE_X_ROWS:
+        return TILE_LAUNCHES + BLOCK_LAUNCHES
+    return BLOCK_LAUNCHES if m <= MAX_X_ROWS else ()
 
 
 @functools.cache
@@ -58,6 +74,7 @@ def extension():
             "torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor part, int64_t warps, "
             "int64_t blocks, bool pdl);\n"
             "int64_t nf4_tile_shared_bytes(int64_t warps);\n"
+            "int64_t nf4_block_shared_bytes(int64_t warps);\n"
             "int64_t nf4_expert_max_pairs();\n"
             "int64_t nf4_expert_max_experts();")
     major, minor = torch.cuda.get_device_capability()
@@ -66,7 +83,7 @@ def extension():
         return cpp_extension.load_inline(
             "s5serve_nf4_gemv", cpp_sources=decl, cuda_sources=SOURCE.read_text(),
             functions=["nf4_gemv", "nf4_experts_gate_up", "nf4_experts_down", "nf4_tile_shared_bytes",
-                       "nf4_expert_max_pairs", "nf4_expert_max_experts"],
+                       "nf4_block_shared_bytes", "nf4_expert_max_pairs", "nf4_expert_max_experts"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     except Exception as exc:  # a compiler that cannot build it: the Triton kernels serve
         log.warning("the CUDA NF4 kernel did not build (%s): the Triton kernels serve", str(exc)[:200])
@@ -84,6 +101,16 @@ def tiles_supported(index: int, warps: int = min(w for _, w, _, _ in TILE_LAUNCH
             and getattr(props, "shared_memory_per_block_optin", 0) >= ext.nf4_tile_shared_bytes(warps))
 
 
+@functools.cache
+def blocks_supported(index: int, warps: int) -> bool:
+    """Whether device `index` runs block tiles of `warps` warps: as `tiles_supported`, with the
+    block's table and ring (`nf4_block_shared_bytes`)."""
+    ext = extension()
+    props = torch.cuda.get_device_properties(index)
+    return (ext is not None and props.major >= 8
+            and getattr(props, "shared_memory_per_block_optin", 0) >= ext.nf4_block_shared_bytes(warps))
+
+
 def _weight_fits(w, device: torch.device, k: int) -> bool:
     return (w.packed.device == w.scales.device == w.code.device == device and w.packed.dtype == torch.uint8
             and w.shape[1] == k and w.packed.stride(1) == 1 and w.packed.stride(0) % 16 == 0
@@ -94,11 +121,15 @@ def _weight_fits(w, device: torch.device, k: int) -> bool:
 
 def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) -> bool:
     """Whether the kernel takes this product (with `launch`, where given): bf16 rows of the
-    weight's K, 16-byte aligned, on the weight's CUDA device; one row, or 1-8 rows for tiles (on a
-    GPU that runs them)."""
+    weight's K, 16-byte aligned, on the weight's CUDA device; one row, 1-8 rows for tiles, 1-64
+    for block tiles (on a GPU that runs them)."""
     if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
-    if launch is not None and launch[0] == TILE_ROWS:
+    if launch is not None and launch[0] == BLOCK_ROWS:
+        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in (4, 8)
+                or not blocks_supported(x.device.index, launch[1])):
+            return False
+    elif launch is not None and launch[0] == TILE_ROWS:
         if (not 1 <= x.shape[0] <= MAX_TILE_X_ROWS or x.stride(0) % 8
                 or not tiles_supported(x.device.index, launch[1])):
             return False

@@ -1,4 +1,4 @@
-"""The launches of the NF4 kernels (kernels/nf4.py, and at 1-8 rows the CUDA kernel of
+"""The launches of the NF4 kernels (kernels/nf4.py, and at 1-64 rows the CUDA kernel of
 kernels/nf4_cuda.py) per row count, timed on a model's own weights when a fused forward is built,
 and kept only where they agree with the library's product on the dequantized weight; and per
 token count, whether a MoE model's NF4 experts run on the CUDA kernel's tensor-core tiles or on
@@ -60,8 +60,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     none of them agrees at a row count, those that load them. Above the largest planned row
     count, up to MAX_KERNEL_ROWS, `launch_for`'s launch where it agrees and beats dequantizing
     the weight for the library's product, else None (that product). Weights under
-    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At 1-8 rows of
-    bf16 activations the CUDA kernel's launches (nf4_cuda.CANDIDATES, where it is built and
+    TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At 1-64 rows of
+    bf16 activations the CUDA kernel's launches (nf4_cuda.candidates, where it is built and
     `cuda`) that take x (`nf4_cuda.fits`) are checked and timed beside the Triton ones, as
     {"cuda": launch}."""
     if triton is None or not weights or weights[0].device.type != "cuda":
@@ -103,10 +103,10 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
             if best is not None:
                 break
             shfl = False  # the shuffle lookup disagrees (or does not compile) here: loads from now on
-        if (m <= nf4_cuda.MAX_TILE_X_ROWS and cuda and n * k >= TIMED_ELEMENTS and x.dtype == torch.bfloat16
+        if (m <= nf4_cuda.MAX_X_ROWS and cuda and n * k >= TIMED_ELEMENTS and x.dtype == torch.bfloat16
                 and nf4_cuda.extension()):
             want = F.linear(x, dense)
-            for launch in nf4_cuda.CANDIDATES:
+            for launch in nf4_cuda.candidates(m):
                 if not nf4_cuda.fits(x, w0, launch):
                     continue
                 try:

@@ -192,6 +192,57 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     print(f"nf4 cuda: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
+def test_nf4_cuda_block_tiles_match_bitsandbytes_dequantize_and_matmul():
+    """The CUDA kernel's block tiles (4 or 8 warps of 32 weight rows, x's rows in the block's ring):
+    1-64 rows of x (every count that changes how many of the mma's column blocks run, and counts
+    between), K split or not, on Gemma-3 4B projection shapes and odd ones (rows not a multiple of a
+    block's, K of 64 and 448: fewer groups than the ring's stages), against dequantize_4bit +
+    F.linear on the same packed weight; with PDL equal to without; replayed from a CUDA graph
+    between PDL-launched Triton products."""
+    pytest.importorskip("bitsandbytes")
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
+    assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pdl = launch.supported(torch.device("cuda"))
+    launches = list(nf4_cuda.BLOCK_LAUNCHES) + [(32, 4, 3, 1), (32, 8, 40, 1)]
+    worst, runs = 0.0, 0
+    shapes = [(4096, 2560), (2560, 10240), (333, 448), (20480, 2560), (7, 64), (2560, 2048)]
+    for i, (n, k) in enumerate(shapes):
+        p = quantized(n, k, torch.bfloat16, 40 + i, compress_statistics=i % 2 == 1)
+        w, dense = nf4.from_bnb(p), bnb_weight(p)
+        for m in (1, 2, 9, 16, 17, 31, 32, 33, 50, 64):
+            xm = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)[:, 64:]  # rows k + 64 apart
+            want = F.linear(xm, dense)
+            for launch_ in launches:
+                assert nf4_cuda.fits(xm, w, launch_) == nf4_cuda.blocks_supported(0, launch_[1])
+                if not nf4_cuda.fits(xm, w, launch_):
+                    continue
+                got = nf4_cuda.gemv(xm, w, launch_, sms)
+                err = rel(got, want)
+                assert err < 1.5e-2, (n, k, m, launch_, err)
+                worst = max(worst, err)
+                runs += 1
+                if launch_ in nf4_cuda.BLOCK_LAUNCHES[:2]:
+                    assert torch.equal(nf4_cuda.gemv(xm, w, launch_, sms, pdl), got)
+        assert not nf4_cuda.fits(torch.randn(65, k, device="cuda").to(torch.bfloat16), w, nf4_cuda.BLOCK_LAUNCHES[0])
+        plan = {64: {"cuda": nf4_cuda.BLOCK_LAUNCHES[0]}}
+        x = torch.randn(40, k, device="cuda").to(torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the CUDA launch between PDL-launched Triton ones, as in a forward
+            outs = [nf4.linear(x, w, {64: nf4.launch_for(64, n, k, sms)}, pdl), nf4.linear(x, w, plan, pdl)]
+            outs.append(nf4.linear(outs[1][:, :k] if n >= k else x, w, plan, pdl))
+        x.normal_()
+        graph.replay()
+        assert torch.equal(outs[1], nf4.linear(x, w, plan))
+        assert torch.equal(outs[2], nf4.linear(outs[1][:, :k] if n >= k else x, w, plan))
+        assert rel(outs[1], F.linear(x, dense)) < 1.5e-2
+    assert runs >= len(shapes) * 10 * 3, runs  # the 8-warp blocks and more ran on every shape
+    print(f"nf4 cuda block tiles: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
+
+
 def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
     pytest.importorskip("bitsandbytes")
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]
@@ -202,9 +253,9 @@ def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches
     assert all(plan[m] is not None for m in nf4_plan.NF4_CANDIDATES)
     assert all(plan[m]["shfl"] for m in nf4_plan.NF4_CANDIDATES if "cuda" not in plan[m]), \
         "the warp-shuffle code lookup agrees on this GPU"
-    assert all(plan[m]["cuda"][0] == nf4_cuda.TILE_ROWS for m in nf4_plan.NF4_CANDIDATES
-               if m > 1 and "cuda" in plan[m]), "the CUDA kernel takes 2-8 rows in tiles on tensor cores alone"
-    assert all("cuda" not in plan[m] for m in nf4_plan.NF4_CANDIDATES if m > nf4_cuda.MAX_TILE_X_ROWS)
+    assert all(plan[m]["cuda"] in nf4_cuda.candidates(m) for m in nf4_plan.NF4_CANDIDATES if "cuda" in plan[m]), \
+        "the CUDA kernel takes one row on FMAs or in tiles, 2-8 in tiles or block tiles, 9-64 in block tiles"
+    assert all("cuda" not in plan[m] for m in plan if m > nf4_cuda.MAX_X_ROWS)
     for m in (1, 5, 64, 200):  # 200: the planned kernel or the dequantized weight, captured either way
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         eager = [nf4.linear(x, w, plan) for w in ws]

@@ -105,6 +105,31 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     assert sum(inner.values()) <= 3.5 * weights, sum(inner.values()) / weights
 
 
+@pytest.mark.parametrize("nb", [2, 4, 8])
+def test_the_block_tiles_multiply_each_looked_up_weight_by_every_row_of_x(built, nb):
+    """The block tiles' K loop (8 nb rows of x, 32 weight rows a warp), one group of 64 columns per
+    iteration: one wait on the block's copies and one barrier; the refill of the stage read before
+    (each thread's two 16-byte weight copies, one absmax copy, x's 16-byte copies in a loop of its
+    own); the lane's two tiles' bytes in four 8-byte reads and their codes by 32 byte permutes and
+    shared-memory loads (each byte's two codes at once), x's B fragments in two 16-byte reads per
+    block of 8 rows, and 8 mma per block (2 tiles x 4 k-steps of 16): the lookups are shared by
+    every row of x. No global load, no spills or local memory."""
+    log, sass = built
+    part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass)
+                if re.match(rf"\s*\.text\.\S*nf4_block_tiles_kernelILi{nb}E", p))
+    loops = [c for c in _loops(part) if c["HMMA.16816"]]
+    assert len(loops) == 1, loops
+    inner = loops[0]
+    assert inner["HMMA.16816"] == 8 * nb and inner["LDS.128"] == 2 * nb, inner
+    assert inner["PRMT"] == 32 and inner["LDS"] >= 32 + 4 and inner["LDS.64"] == 4, inner
+    assert inner["BAR.SYNC"] == 1 and inner["DEPBAR.LE"] == 1 and inner["LDGSTS.E"] == 4, inner
+    assert not any(op.startswith(("LDG.", "LDL", "STL", "SHFL")) for op in inner), inner
+    assert not any(op.startswith(("LDL", "STL")) for loop in _loops(part) for op in loop)
+    # per block of 8 rows of x: 8 mma, 8 multiply-adds of the group's absmax, 2 reads; the rest (the
+    # 64 lookup instructions, the tiles' reads, the copies, the loop) is shared by every row of x
+    assert sum(inner.values()) <= 176 + 18 * nb, sum(inner.values())
+
+
 def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its_copies(built):
     """MODE 3 of the dense tiles (the product, timed by `bench.nf4_cuda` beside it) has L2 fetch 128
     bytes around each 16-byte copy of the weights; the product's copies carry no prefetch hint."""
@@ -141,7 +166,8 @@ def test_the_tiles_shared_memory_layout_holds_every_alignment_of_the_base(tmp_pa
     distance from the block's base to the table's 64 KiB boundary, 1-16 warps, with and without
     the experts' scratch, the table, the scratch and each warp's ring are 16-byte aligned, overlap
     nothing, and end within the bytes the launcher allocates; and 16 warps with the scratch fit
-    Hopper's 227 KiB."""
+    Hopper's 227 KiB. The same for the block tiles' table and ring (block_ring_offset, block_smem)
+    at 4 and 8 warps and 16-64 rows of x."""
     if NVCC is None or not os.path.exists(NVCC):
         pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels (nf4_cuda.extension)")
     src = tmp_path / "layout.cu"
@@ -166,6 +192,17 @@ int main() {
       }
     }
   }
+  for (int warps : {4, BLOCK_MAX_WARPS}) {  // the block tiles: the table and the ring
+    for (int nb : {2, 4, 8}) {
+      const uint32_t ring = BLOCK_STAGES * block_stage_bytes(warps, nb), most = block_smem(warps, nb);
+      for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
+        const uint32_t at = block_ring_offset(pad, ring), end = at + ring > pad + TABLE_BYTES ? at + ring : pad + TABLE_BYTES;
+        bad += at % 16 != 0 || block_stage_bytes(warps, nb) % 16 != 0 || end > most;
+        bad += at < pad + TABLE_BYTES && pad < at + ring;
+      }
+    }
+  }
+  bad += block_smem(BLOCK_MAX_WARPS, 8) > 227 * 1024;
   printf("%d %d\n", bad, tile_smem(16, SCRATCH_BYTES));
   return 0;
 }

@@ -495,22 +495,30 @@ __device__ __forceinline__ void copy_next(const Work& work, CopyCursor& cur, int
 // items than warps still spread over every block (every SM). After the PDL wait the block's
 // threads call `work.prepare(scratch)` together (Work::kScratch bytes of shared memory) before the
 // first item is read; a Work whose rows come before the wait has nothing to prepare.
-template <int MODE, class Work>
-__device__ __forceinline__ void run_tiles(const Work& params, const float* __restrict__ code) {
-  extern __shared__ __align__(16) uint32_t smem_words[];
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
+// The block's code table (the tiles' comment above) at the first 64 KiB boundary of the shared
+// window at or after `base` (the dynamic shared memory's address): thread v makes entry v (its two
+// loads in flight together) and writes its 32 copies, copy (v + j) % 32 at step j, so that a
+// warp's stores fall on 32 banks. Returns the table's shared address; the block's threads
+// synchronize before reading it.
+__device__ __forceinline__ uint32_t build_table(uint32_t* smem_words, uint32_t base, const float* __restrict__ code) {
   const uint32_t table_addr = (base + TABLE_BYTES - 1) & ~(uint32_t)(TABLE_BYTES - 1);
   uint32_t* table = smem_words + (table_addr - base) / 4;
-  const TileLayout layout = tile_layout(table_addr - base, blockDim.x >> 5, Work::kScratch);
-  uint8_t* smem_bytes = reinterpret_cast<uint8_t*>(smem_words);
-  Work work = params;
-  // thread v makes entry v (its two loads in flight together) and writes its 32 copies, copy
-  // (v + j) % 32 at step j, so that a warp's stores fall on 32 banks
   for (int v = threadIdx.x; v < 256; v += blockDim.x) {
     const uint32_t pair = bf16x2_bits(__ldg(code + (v >> 4)), __ldg(code + (v & 15)));  // the even column low
 #pragma unroll 8
     for (int j = 0; j < 32; ++j) table[v * 64 + ((v + j) & 31)] = pair;
   }
+  return table_addr;
+}
+
+template <int MODE, class Work>
+__device__ __forceinline__ void run_tiles(const Work& params, const float* __restrict__ code) {
+  extern __shared__ __align__(16) uint32_t smem_words[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
+  const uint32_t table_addr = build_table(smem_words, base, code);
+  const TileLayout layout = tile_layout(table_addr - base, blockDim.x >> 5, Work::kScratch);
+  uint8_t* smem_bytes = reinterpret_cast<uint8_t*>(smem_words);
+  Work work = params;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t lane_addr = table_addr | lane * 4u;
   const uint32_t ring = base + layout.ring(warp);  // shared address, for the copies
@@ -807,6 +815,181 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
   run_tiles<0>(work, code);
 }
 
+// Block tiles for 1-64 rows of x (a launch's `rows` 32): each block takes 32 weight rows per warp
+// (two 16-row tiles, mma.sync's A operand, the codes looked up from the block's table as above)
+// over one K slice, and x's rows, up to 8 NB of them, as the B operand's columns in NB blocks of
+// eight, so that each weight decoded is multiplied by every row of x. The block's warps walk K
+// together, one group a step, through a ring of BLOCK_STAGES stages in shared memory filled by
+// asynchronous copies BLOCK_STAGES - 1 groups ahead: a stage holds the block's rows' 32 bytes of
+// the group, their absmax, and x's rows' 64 columns of it (128 bytes a row, each 16-byte chunk c
+// of row r at chunk c ^ (r & 1), so that a quarter warp's 16-byte reads of two rows fall on all
+// 32 banks). A lane's k slots take the columns as the tiles' do (lane t of a row's four: bytes
+// 8t .. 8t + 7), so its B fragments are 32 bytes of its x row at column 16t; each group's products
+// are scaled by its absmax after them. Rows of x past M repeat row M - 1 and weight rows past N
+// repeat the last; neither is stored. The weights' first copies are issued before the PDL wait,
+// x's after it.
+constexpr int BLOCK_STAGES = 4;
+constexpr int BLOCK_WARP_ROWS = 32;
+constexpr int BLOCK_MAX_WARPS = 8;
+
+// a ring stage's bytes for `warps` warps and NB blocks of 8 rows of x: the rows' bytes, their
+// absmax, x's rows
+__host__ __device__ constexpr uint32_t block_stage_bytes(uint32_t warps, uint32_t nb) {
+  return warps * BLOCK_WARP_ROWS * (32 + 4) + nb * 8 * 128;
+}
+
+// The ring's offset from the dynamic shared memory's base, given `pad` (the bytes from the base to
+// the table): before the table where it fits, else after it.
+__host__ __device__ constexpr uint32_t block_ring_offset(uint32_t pad, uint32_t ring) {
+  return ring <= pad ? 0u : pad + TABLE_BYTES;
+}
+
+// A block's shared memory: the most any alignment of the base needs
+constexpr int block_smem(int warps, int nb) {
+  const uint32_t ring = BLOCK_STAGES * block_stage_bytes(warps, nb);
+  uint32_t most = 0;
+  for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
+    const uint32_t end = block_ring_offset(pad, ring) == 0 ? pad + TABLE_BYTES : pad + TABLE_BYTES + ring;
+    most = end > most ? end : most;
+  }
+  return static_cast<int>(most);
+}
+
+struct BlockTiles {
+  const __nv_bfloat16* x;
+  const uint8_t* packed;
+  const float* absmax;
+  float* partial;  // [splits, M, N] float32 where K is split
+  __nv_bfloat16* y;
+  int n, m, stride_x, stride_p, stride_s, groups, groups_per_split;
+};
+
+template <int NB>
+__global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const BlockTiles p,
+                                                                                   const float* __restrict__ code) {
+  extern __shared__ __align__(16) uint32_t smem_words[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
+  const uint32_t table_addr = build_table(smem_words, base, code);
+  const int threads = blockDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int bn = (threads >> 5) * BLOCK_WARP_ROWS, n0 = blockIdx.x * bn;
+  const uint32_t stage_bytes = block_stage_bytes(threads >> 5, NB);
+  const uint32_t ring_off = block_ring_offset(table_addr - base, BLOCK_STAGES * stage_bytes);
+  const uint32_t ring = base + ring_off;
+  const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + ring_off;
+  const uint32_t scales_off = bn * 32, x_off = bn * 36;
+  const int g_lo = blockIdx.y * p.groups_per_split, g_hi = min(g_lo + p.groups_per_split, p.groups);
+  // group g's weight rows and absmax into the stage at `stage` (shared address): the block has as
+  // many threads as rows, so each thread makes two of the rows' 16-byte copies and one absmax copy
+  const int w_row0 = min(n0 + (threadIdx.x >> 1), p.n - 1), w_row1 = min(n0 + ((threadIdx.x + threads) >> 1), p.n - 1);
+  const uint8_t* w_src0 = p.packed + (size_t)w_row0 * p.stride_p + 16 * (threadIdx.x & 1);
+  const uint8_t* w_src1 = p.packed + (size_t)w_row1 * p.stride_p + 16 * (threadIdx.x & 1);
+  const float* s_src = p.absmax + (size_t)min(n0 + (int)threadIdx.x, p.n - 1) * p.stride_s;
+  auto copy_weights = [&](int g, uint32_t stage) {
+    copy_async16(stage + 16 * threadIdx.x, w_src0 + 32 * g);
+    copy_async16(stage + 16 * (threadIdx.x + threads), w_src1 + 32 * g);
+    copy_async4(stage + scales_off + 4 * threadIdx.x, s_src + g);
+  };
+  auto copy_x = [&](int g, uint32_t stage) {
+    for (int i = threadIdx.x; i < NB * 64; i += threads) {
+      const int r = i >> 3, c = i & 7;
+      copy_async16(stage + x_off + r * 128 + ((c ^ (r & 1)) << 4),
+                   p.x + (size_t)min(r, p.m - 1) * p.stride_x + 64 * g + 8 * c);
+    }
+  };
+  // the weights of the first BLOCK_STAGES - 1 groups in one copy group, then x's, one per group:
+  // BLOCK_STAGES groups in all before the loop, which waits for all but the last BLOCK_STAGES - 2
+#pragma unroll
+  for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
+    if (g_lo + s < g_hi) copy_weights(g_lo + s, ring + s * stage_bytes);
+  }
+  commit_copies();
+  __syncthreads();  // the table
+  pdl_enter();
+#pragma unroll
+  for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
+    if (g_lo + s < g_hi) copy_x(g_lo + s, ring + s * stage_bytes);
+    commit_copies();
+  }
+  const int gq = lane >> 2, t = lane & 3;
+  const uint32_t lane_addr = table_addr | lane * 4u;
+  float acc[2][NB][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nb][i] = 0.f;
+  for (int i = 0; g_lo + i < g_hi; ++i) {
+    wait_copies<BLOCK_STAGES - 2>();  // this thread's copies of the stage, then every thread's
+    __syncthreads();
+    // the stage read in the step before is free: refill it with the group BLOCK_STAGES - 1 ahead
+    const int g_next = g_lo + i + BLOCK_STAGES - 1;
+    if (g_next < g_hi) {
+      const uint32_t fill = ring + ((i + BLOCK_STAGES - 1) % BLOCK_STAGES) * stage_bytes;
+      copy_weights(g_next, fill);
+      copy_x(g_next, fill);
+    }
+    commit_copies();
+    const uint8_t* stage = ring_bytes + (i % BLOCK_STAGES) * stage_bytes;
+    TileStep ts[2];
+    uint32_t f[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int ra = warp * BLOCK_WARP_ROWS + 16 * mt + gq;
+      ts[mt].a = *reinterpret_cast<const uint2*>(stage + ra * 32 + 8 * t);
+      ts[mt].b = *reinterpret_cast<const uint2*>(stage + (ra + 8) * 32 + 8 * t);
+      ts[mt].sa = reinterpret_cast<const float*>(stage + scales_off)[ra];
+      ts[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
+      group_codes<0>(ts[mt], lane_addr, f[mt]);
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint8_t* xr = stage + x_off + (8 * nb + gq) * 128;
+      const uint4 x0 = *reinterpret_cast<const uint4*>(xr + (((2 * t) ^ (gq & 1)) << 4));
+      const uint4 x1 = *reinterpret_cast<const uint4*>(xr + (((2 * t + 1) ^ (gq & 1)) << 4));
+      const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      float c[2][4] = {};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(c[mt], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], xw[2 * s], xw[2 * s + 1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        acc[mt][nb][0] = fmaf(c[mt][0], ts[mt].sa, acc[mt][nb][0]);
+        acc[mt][nb][1] = fmaf(c[mt][1], ts[mt].sa, acc[mt][nb][1]);
+        acc[mt][nb][2] = fmaf(c[mt][2], ts[mt].sb, acc[mt][nb][2]);
+        acc[mt][nb][3] = fmaf(c[mt][3], ts[mt].sb, acc[mt][nb][3]);
+      }
+    }
+  }
+  wait_copies<0>();  // no copy in flight when the block ends
+  // lane (gq, t) holds rows gq and gq + 8 of each tile against x rows 8 nb + 2t and 8 nb + 2t + 1
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int ra = n0 + warp * BLOCK_WARP_ROWS + 16 * mt + gq, rb = ra + 8;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 8 * nb + 2 * t + j;
+        if (col >= p.m) continue;
+        if (gridDim.y > 1) {
+          float* out = p.partial + ((size_t)blockIdx.y * p.m + col) * p.n;
+          if (ra < p.n) out[ra] = acc[mt][nb][j];
+          if (rb < p.n) out[rb] = acc[mt][nb][2 + j];
+        } else {
+          __nv_bfloat16* out = p.y + (size_t)col * p.n;
+          if (ra < p.n) out[ra] = __float2bfloat16(acc[mt][nb][j]);
+          if (rb < p.n) out[rb] = __float2bfloat16(acc[mt][nb][2 + j]);
+        }
+      }
+    }
+  }
+}
+
 __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat16* __restrict__ y, int n,
                                   int split) {
   pdl_enter();
@@ -831,6 +1014,9 @@ template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*
 template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<4>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<5>(const DenseTiles, const float*);
+template __global__ void nf4_block_tiles_kernel<2>(const BlockTiles, const float*);
+template __global__ void nf4_block_tiles_kernel<4>(const BlockTiles, const float*);
+template __global__ void nf4_block_tiles_kernel<8>(const BlockTiles, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -882,6 +1068,29 @@ void check_weight(const torch::Tensor& packed, const torch::Tensor& absmax, cons
               "an NF4 weight: packed [N, K/2] uint8, absmax [N, K/64] float32, code [16] float32, K a multiple of 64");
 }
 
+// A kernel's opt-in to more than 48 KiB of dynamic shared memory, made once per kernel and device:
+// as much as the device allows, up to `most` (its largest block's)
+void opt_in(const void* kernel, const torch::Device& device, int most) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<const void*, int> key{kernel, device.index()};
+  if (!opted_in.count(key)) {
+    int optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, std::min(optin, most)));
+    opted_in.insert(key);
+  }
+}
+
+// a block of `warps` warps needing `smem` bytes of shared memory fits the device
+void check_smem(const torch::Device& device, int smem, int64_t warps) {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  TORCH_CHECK(smem <= optin, "tiles of ", warps, " warps need ", smem, " bytes of shared memory per block; this GPU "
+              "allows ", optin);
+}
+
 static_assert(tile_smem(16, SCRATCH_BYTES) <= 227 * 1024,
               "the table, 16 warps' rings and the scratch fit one block's shared memory (Hopper)");
 
@@ -899,23 +1108,8 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
     return t;
   }();
   const int smem = smem_for[warps];
-  {
-    static std::mutex mutex;
-    static std::set<std::pair<const void*, int>> opted_in;  // (kernel, device)
-    const std::lock_guard<std::mutex> lock(mutex);
-    const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device.index()};
-    if (!opted_in.count(key)) {  // as much as the device allows, up to the largest block's
-      int optin = 0;
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          std::min(optin, smem_for[16])));
-      opted_in.insert(key);
-    }
-  }
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
-  TORCH_CHECK(smem <= optin, "tiles of ", warps, " warps need ", smem, " bytes of shared memory per block; this GPU "
-              "allows ", optin);
+  opt_in(reinterpret_cast<const void*>(kernel), device, smem_for[16]);
+  check_smem(device, smem, warps);
   if (items > 0) {
     launch(kernel, dim3(std::min<int64_t>(blocks, items)), dim3(32 * warps), smem, stream,
            pdl, work, code);
@@ -957,7 +1151,30 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     return partial.data_ptr<float>();
   };
   float* part = nullptr;
-  if (rows == 16) {
+  if (rows == BLOCK_WARP_ROWS) {
+    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS),
+                "block tiles: 1-64 rows of x, 4 or 8 warps, the product alone");
+    const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
+    if (split <= 0) {  // the slice length whose waves of blocks over `blocks` (one per SM) end soonest,
+      // counting the ring's filling as BLOCK_STAGES - 1 groups
+      int64_t best = -1;
+      for (int s = 1; s <= groups; ++s) {
+        const int per = (groups + s - 1) / s, slices = (groups + per - 1) / per;
+        const int64_t cost = (static_cast<int64_t>(row_blocks) * slices + blocks - 1) / blocks * (per + BLOCK_STAGES - 1);
+        if (best < 0 || cost < best) best = cost, split = slices;
+      }
+    }
+    const int per = (groups + split - 1) / split;
+    split = (groups + per - 1) / per;
+    part = partials(split);
+    const BlockTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
+    const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
+    auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4> : nf4_block_tiles_kernel<8>;
+    const int smem = block_smem(static_cast<int>(warps), nb);
+    opt_in(reinterpret_cast<const void*>(kernel), x.device(), block_smem(BLOCK_MAX_WARPS, nb));
+    check_smem(x.device(), smem, warps);
+    launch(kernel, dim3(row_blocks, split), dim3(32 * warps), smem, stream, pdl, work, cp);
+  } else if (rows == 16) {
     TORCH_CHECK(mode >= 0 && mode <= 5 && m >= 1 && m <= 8, "tiles on tensor cores: 1-8 rows of x");
     TORCH_CHECK(mode != 5 || (n % 16 == 0 && stride_p * 2 == k && stride_s * 64 == k),
                 "MODE 5 reads whole tiles of a contiguous weight");
@@ -1000,7 +1217,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
       case 2: kernel = pick<2>(blocks > 0, mode); break;
       case 4: kernel = pick<4>(blocks > 0, mode); break;
       case 8: kernel = pick<8>(blocks > 0, mode); break;
-      default: TORCH_CHECK(false, "rows must be 1, 2, 4, 8 or 16");
+      default: TORCH_CHECK(false, "rows must be 1, 2, 4, 8, 16 or 32");
     }
     launch(kernel, grid, dim3(32 * warps), 0, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per);
   }
@@ -1013,6 +1230,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
 // Shared memory per block of tiles of `warps` warps, the most any tile kernel takes (the experts'
 // with their scratch).
 int64_t nf4_tile_shared_bytes(int64_t warps) { return tile_smem(static_cast<int>(warps), SCRATCH_BYTES); }
+
+// Shared memory per block of block tiles of `warps` warps, for 64 rows of x (the most they take).
+int64_t nf4_block_shared_bytes(int64_t warps) { return block_smem(static_cast<int>(warps), 8); }
 
 // The pairs and experts a block's slots hold (PairSlots)
 void check_pairs(int64_t pairs, int64_t n_experts) {
