@@ -166,7 +166,7 @@ def test_the_tiles_shared_memory_layout_holds_every_alignment_of_the_base(tmp_pa
     distance from the block's base to the table's 64 KiB boundary, 1-16 warps, with and without
     the experts' scratch, the table, the scratch and each warp's ring are 16-byte aligned, overlap
     nothing, and end within the bytes the launcher allocates; and 16 warps with the scratch fit
-    Hopper's 227 KiB. The same for the block tiles' table and ring (block_ring_offset, block_smem)
+    Hopper's 227 KiB. The same for the block tiles' table and ring stages (block_stage_offset, block_smem)
     at 4 and 8 warps and 16-64 rows of x."""
     if NVCC is None or not os.path.exists(NVCC):
         pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels (nf4_cuda.extension)")
@@ -194,11 +194,15 @@ int main() {
   }
   for (int warps : {4, BLOCK_MAX_WARPS}) {  // the block tiles: the table and the ring
     for (int nb : {2, 4, 8}) {
-      const uint32_t ring = BLOCK_STAGES * block_stage_bytes(warps, nb), most = block_smem(warps, nb);
+      const uint32_t sb = block_stage_bytes(warps, nb), most = block_smem(warps, nb);
       for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
-        const uint32_t at = block_ring_offset(pad, ring), end = at + ring > pad + TABLE_BYTES ? at + ring : pad + TABLE_BYTES;
-        bad += at % 16 != 0 || block_stage_bytes(warps, nb) % 16 != 0 || end > most;
-        bad += at < pad + TABLE_BYTES && pad < at + ring;
+        uint32_t lo[BLOCK_STAGES + 1], hi[BLOCK_STAGES + 1];
+        lo[0] = pad, hi[0] = pad + TABLE_BYTES;
+        for (int s = 0; s < BLOCK_STAGES; ++s) lo[s + 1] = block_stage_offset(s, pad, sb), hi[s + 1] = lo[s + 1] + sb;
+        for (int i = 0; i <= BLOCK_STAGES; ++i) {
+          bad += lo[i] % 16 != 0 || hi[i] > most;
+          for (int j = i + 1; j <= BLOCK_STAGES; ++j) bad += lo[i] < hi[j] && lo[j] < hi[i];
+        }
       }
     }
   }

@@ -823,12 +823,14 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 // asynchronous copies BLOCK_STAGES - 1 groups ahead: a stage holds the block's rows' 32 bytes of
 // the group, their absmax, and x's rows' 64 columns of it (128 bytes a row, each 16-byte chunk c
 // of row r at chunk c ^ (r & 1), so that a quarter warp's 16-byte reads of two rows fall on all
-// 32 banks). A lane's k slots take the columns as the tiles' do (lane t of a row's four: bytes
-// 8t .. 8t + 7), so its B fragments are 32 bytes of its x row at column 16t; each group's products
-// are scaled by its absmax after them. Rows of x past M repeat row M - 1 and weight rows past N
-// repeat the last; neither is stored. The weights' first copies are issued before the PDL wait,
-// x's after it.
-constexpr int BLOCK_STAGES = 4;
+// 32 banks). As many stages as fit go before the table, the rest after it. A lane's k slots take
+// the columns as the tiles' do (lane t of a row's four: bytes 8t .. 8t + 7), so its B fragments
+// are 32 bytes of its x row at column 16t. Each group's products are summed in float32 and scaled
+// by its absmax after them; the products of up to four blocks of x rows go at once, k step by k
+// step, so that a warp has eight independent mma in flight. Rows of x past M repeat row M - 1 and
+// weight rows past N repeat the last; neither is stored. The weights' first copies are issued
+// before the PDL wait, x's after it.
+constexpr int BLOCK_STAGES = 8;
 constexpr int BLOCK_WARP_ROWS = 32;
 constexpr int BLOCK_MAX_WARPS = 8;
 
@@ -838,18 +840,19 @@ __host__ __device__ constexpr uint32_t block_stage_bytes(uint32_t warps, uint32_
   return warps * BLOCK_WARP_ROWS * (32 + 4) + nb * 8 * 128;
 }
 
-// The ring's offset from the dynamic shared memory's base, given `pad` (the bytes from the base to
-// the table): before the table where it fits, else after it.
-__host__ __device__ constexpr uint32_t block_ring_offset(uint32_t pad, uint32_t ring) {
-  return ring <= pad ? 0u : pad + TABLE_BYTES;
+// Stage s's offset from the dynamic shared memory's base, given `pad` (the bytes from the base to
+// the table) and the stage's bytes: the stages that fit before the table go there, the rest after it.
+__host__ __device__ constexpr uint32_t block_stage_offset(uint32_t s, uint32_t pad, uint32_t stage_bytes) {
+  return s < pad / stage_bytes ? s * stage_bytes : pad + TABLE_BYTES + (s - pad / stage_bytes) * stage_bytes;
 }
 
 // A block's shared memory: the most any alignment of the base needs
 constexpr int block_smem(int warps, int nb) {
-  const uint32_t ring = BLOCK_STAGES * block_stage_bytes(warps, nb);
+  const uint32_t sb = block_stage_bytes(warps, nb);
   uint32_t most = 0;
   for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
-    const uint32_t end = block_ring_offset(pad, ring) == 0 ? pad + TABLE_BYTES : pad + TABLE_BYTES + ring;
+    const uint32_t last = block_stage_offset(BLOCK_STAGES - 1, pad, sb) + sb;
+    const uint32_t end = last > pad + TABLE_BYTES ? last : pad + TABLE_BYTES;
     most = end > most ? end : most;
   }
   return static_cast<int>(most);
@@ -872,10 +875,11 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
   const uint32_t table_addr = build_table(smem_words, base, code);
   const int threads = blockDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bn = (threads >> 5) * BLOCK_WARP_ROWS, n0 = blockIdx.x * bn;
-  const uint32_t stage_bytes = block_stage_bytes(threads >> 5, NB);
-  const uint32_t ring_off = block_ring_offset(table_addr - base, BLOCK_STAGES * stage_bytes);
-  const uint32_t ring = base + ring_off;
-  const uint8_t* ring_bytes = reinterpret_cast<const uint8_t*>(smem_words) + ring_off;
+  const uint32_t stage_bytes = block_stage_bytes(threads >> 5, NB), pad = table_addr - base;
+  const uint8_t* smem_bytes = reinterpret_cast<const uint8_t*>(smem_words);
+  // block_stage_offset with its division taken once: the stages from `before` on jump the table
+  const uint32_t before = pad / stage_bytes, jump = pad + TABLE_BYTES - before * stage_bytes;
+  auto stage_at = [&](uint32_t s) { return s * stage_bytes + (s >= before ? jump : 0u); };
   const uint32_t scales_off = bn * 32, x_off = bn * 36;
   const int g_lo = blockIdx.y * p.groups_per_split, g_hi = min(g_lo + p.groups_per_split, p.groups);
   // group g's weight rows and absmax into the stage at `stage` (shared address): the block has as
@@ -900,14 +904,14 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
   // BLOCK_STAGES groups in all before the loop, which waits for all but the last BLOCK_STAGES - 2
 #pragma unroll
   for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
-    if (g_lo + s < g_hi) copy_weights(g_lo + s, ring + s * stage_bytes);
+    if (g_lo + s < g_hi) copy_weights(g_lo + s, base + stage_at(s));
   }
   commit_copies();
   __syncthreads();  // the table
   pdl_enter();
 #pragma unroll
   for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
-    if (g_lo + s < g_hi) copy_x(g_lo + s, ring + s * stage_bytes);
+    if (g_lo + s < g_hi) copy_x(g_lo + s, base + stage_at(s));
     commit_copies();
   }
   const int gq = lane >> 2, t = lane & 3;
@@ -925,12 +929,12 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
     // the stage read in the step before is free: refill it with the group BLOCK_STAGES - 1 ahead
     const int g_next = g_lo + i + BLOCK_STAGES - 1;
     if (g_next < g_hi) {
-      const uint32_t fill = ring + ((i + BLOCK_STAGES - 1) % BLOCK_STAGES) * stage_bytes;
+      const uint32_t fill = base + stage_at((i + BLOCK_STAGES - 1) % BLOCK_STAGES);
       copy_weights(g_next, fill);
       copy_x(g_next, fill);
     }
     commit_copies();
-    const uint8_t* stage = ring_bytes + (i % BLOCK_STAGES) * stage_bytes;
+    const uint8_t* stage = smem_bytes + stage_at(i % BLOCK_STAGES);
     TileStep ts[2];
     uint32_t f[2][4][4];
 #pragma unroll
@@ -942,26 +946,39 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
       ts[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
       group_codes<0>(ts[mt], lane_addr, f[mt]);
     }
+    constexpr int NC = NB < 4 ? NB : 4;  // blocks of x rows multiplied at once
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const uint8_t* xr = stage + x_off + (8 * nb + gq) * 128;
-      const uint4 x0 = *reinterpret_cast<const uint4*>(xr + (((2 * t) ^ (gq & 1)) << 4));
-      const uint4 x1 = *reinterpret_cast<const uint4*>(xr + (((2 * t + 1) ^ (gq & 1)) << 4));
-      const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      float c[2][4] = {};
+    for (int nb0 = 0; nb0 < NB; nb0 += NC) {
+      uint4 xv[NC][2];
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        const uint8_t* xr = stage + x_off + (8 * (nb0 + j) + gq) * 128;
+        xv[j][0] = *reinterpret_cast<const uint4*>(xr + (((2 * t) ^ (gq & 1)) << 4));
+        xv[j][1] = *reinterpret_cast<const uint4*>(xr + (((2 * t + 1) ^ (gq & 1)) << 4));
+      }
+      float c[2][NC][4] = {};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(c[mt], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], xw[2 * s], xw[2 * s + 1]);
+        for (int j = 0; j < NC; ++j) {
+          const uint4& xs = xv[j][s >> 1];
+          const uint32_t b0 = (s & 1) ? xs.z : xs.x, b1 = (s & 1) ? xs.w : xs.y;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_bf16(c[mt][j], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], b0, b1);
+          }
         }
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        acc[mt][nb][0] = fmaf(c[mt][0], ts[mt].sa, acc[mt][nb][0]);
-        acc[mt][nb][1] = fmaf(c[mt][1], ts[mt].sa, acc[mt][nb][1]);
-        acc[mt][nb][2] = fmaf(c[mt][2], ts[mt].sb, acc[mt][nb][2]);
-        acc[mt][nb][3] = fmaf(c[mt][3], ts[mt].sb, acc[mt][nb][3]);
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+          float(&a)[4] = acc[mt][nb0 + j];
+          a[0] = fmaf(c[mt][j][0], ts[mt].sa, a[0]);
+          a[1] = fmaf(c[mt][j][1], ts[mt].sa, a[1]);
+          a[2] = fmaf(c[mt][j][2], ts[mt].sb, a[2]);
+          a[3] = fmaf(c[mt][j][3], ts[mt].sb, a[3]);
+        }
       }
     }
   }
