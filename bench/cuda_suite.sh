@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-block|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -183,6 +183,17 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
         decode)
           for side in after before; do DECODE_N=${DECODE_N:-16 64} stage_decode gemma3-4b $side; done ;;
       esac
+    done ;;
+  nf4-block-profile)  # Nsight Compute on the block tiles against Gemma-3 4B's gate/up: 8 warps unsplit
+    # (80 blocks) at 16 and 64 rows of x, and 4 warps at 64 rows; stall reasons per issued instruction,
+    # pipe utilisation, shared-memory wavefronts and bank conflicts
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for rows in 16 64; do
+      timeout 200 "$NCU" --clock-control none -k regex:'nf4_block_tiles' -s 2 -c 2 --section SpeedOfLight \
+        --section Occupancy --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --metrics regex:'sm__inst_executed_pipe_(alu|fma|lsu|uniform|tensor).*\.avg\.pct_of_peak_sustained_active',regex:'sm__pipe_(alu|fma|shared|tensor).*cycles_active\.avg\.pct_of_peak_sustained_active',l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum \
+        python3 -m bench.nf4_cuda --profile 32,8,1,1 32,4,1,1 --x-rows $rows --reps 2 2>&1 \
+        | tee "$OUT/ncu-nf4-block-$rows.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -120
     done ;;
   nf4-stage-4b)  # Gemma-3 4B in 4 bits, this tree then BEFORE, same machine
     for side in after before; do stage_decode gemma3-4b $side; done ;;

@@ -18,7 +18,7 @@ as a weight laid out tile by tile would be read (MODE 5: the loads of that layou
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
 
 `--profile` runs the given launches (`rows,warps,split,blocks_per_sm`, `:mode` for a measurement
-variant) on one row of x against a Gemma-3 4B gate/up-shaped weight of random codes, `--reps`
+variant) on one row of x (`--x-rows`) against a Gemma-3 4B gate/up-shaped weight of random codes, `--reps`
 times each, and times nothing: a profiler (Nsight Compute) attached to the process measures them.
 
 The kernel is built by torch's extension loader (nvcc and ninja needed).
@@ -58,11 +58,12 @@ def main() -> None:
     ap.add_argument("--profile", nargs="+", default=None, metavar="LAUNCH[:MODE]",
                     help="run these launches for a profiler and exit")
     ap.add_argument("--reps", type=int, default=3, help="--profile: runs of each launch")
+    ap.add_argument("--x-rows", type=int, default=1, help="--profile: rows of x")
     a = ap.parse_args()
     if nf4_cuda.extension() is None:
         raise SystemExit("the CUDA NF4 kernel did not build here (a CUDA compiler and ninja are needed)")
     if a.profile:
-        return profile(a.profile, a.reps)
+        return profile(a.profile, a.reps, a.x_rows)
     dtype = torch.bfloat16
     bw = copy_bandwidth("cuda") / 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -148,14 +149,14 @@ def main() -> None:
                      "engine_source_sha256": source_digest()}})
 
 
-def profile(launches: list[str], reps: int) -> None:
-    """`launches` ("rows,warps,split,blocks_per_sm[:mode]") on one row of x against a Gemma-3 4B
-    gate/up-shaped NF4 weight (random codes and absmax), `reps` times each, in turn."""
+def profile(launches: list[str], reps: int, x_rows: int = 1) -> None:
+    """`launches` ("rows,warps,split,blocks_per_sm[:mode]") on `x_rows` rows of x against a
+    Gemma-3 4B gate/up-shaped NF4 weight (random codes and absmax), `reps` times each, in turn."""
     n_out, k = projections("gemma3-4b")["gate_up"]
     w = nf4.NF4Weight(torch.randint(0, 256, (n_out, k // 2), dtype=torch.uint8, device="cuda"),
                       torch.rand(n_out, k // 64, device="cuda"), torch.linspace(-1, 1, 16, device="cuda"),
                       torch.bfloat16)
-    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(x_rows, k, device="cuda").to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = []
     for spec in launches:
