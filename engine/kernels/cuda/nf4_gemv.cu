@@ -827,8 +827,7 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 // the columns as the tiles' do (lane t of a row's four: bytes 8t .. 8t + 7), so its B fragments
 // are 32 bytes of its x row at column 16t. Each group's products are summed in float32 and scaled
 // by its absmax after them; the products of up to four blocks of x rows go at once, k step by k
-// step, so that a warp has eight independent mma in flight, and each group's codes are looked up
-// while the products of the group before run. Rows of x past M repeat row M - 1 and
+// step, so that a warp has eight independent mma in flight. Rows of x past M repeat row M - 1 and
 // weight rows past N repeat the last; neither is stored. The weights' first copies are issued
 // before the PDL wait, x's after it.
 constexpr int BLOCK_STAGES = 8;
@@ -924,32 +923,10 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nb][i] = 0.f;
-  // each group's codes (and absmax) are looked up a step ahead of its products, into the other
-  // of two sets of registers, so that the lookups of one group are in flight while the mma of the
-  // one before run
-  TileStep ts0[2], ts1[2];
-  uint32_t f0[2][4][4], f1[2][4][4];
-  auto look_up = [&](int i, TileStep (&st)[2], uint32_t (&fr)[2][4][4]) {
-    const uint8_t* stage = smem_bytes + stage_at(i % BLOCK_STAGES);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int ra = warp * BLOCK_WARP_ROWS + 16 * mt + gq;
-      st[mt].a = *reinterpret_cast<const uint2*>(stage + ra * 32 + 8 * t);
-      st[mt].b = *reinterpret_cast<const uint2*>(stage + (ra + 8) * 32 + 8 * t);
-      st[mt].sa = reinterpret_cast<const float*>(stage + scales_off)[ra];
-      st[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
-      group_codes<0>(st[mt], lane_addr, fr[mt]);
-    }
-  };
-  // step i: the products of stage i (tc, fc, looked up the step before) and the lookups of stage
-  // i + 1 into (tn, fn)
-  auto step = [&](int i, const TileStep (&tc)[2], const uint32_t (&fc)[2][4][4], TileStep (&tn)[2],
-                  uint32_t (&fn)[2][4][4]) {
-    // stage i + 1 (copy group i + 2: the weights' group and x's of the first stages come before it)
-    wait_copies<BLOCK_STAGES - 3>();
+  for (int i = 0; g_lo + i < g_hi; ++i) {
+    wait_copies<BLOCK_STAGES - 2>();  // this thread's copies of the stage, then every thread's
     __syncthreads();
-    // the stage multiplied in the step before (looked up the step before that) is free: refill it
-    // with the group BLOCK_STAGES - 1 ahead
+    // the stage read in the step before is free: refill it with the group BLOCK_STAGES - 1 ahead
     const int g_next = g_lo + i + BLOCK_STAGES - 1;
     if (g_next < g_hi) {
       const uint32_t fill = base + stage_at((i + BLOCK_STAGES - 1) % BLOCK_STAGES);
@@ -957,8 +934,18 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
       copy_x(g_next, fill);
     }
     commit_copies();
-    if (g_lo + i + 1 < g_hi) look_up(i + 1, tn, fn);
     const uint8_t* stage = smem_bytes + stage_at(i % BLOCK_STAGES);
+    TileStep ts[2];
+    uint32_t f[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int ra = warp * BLOCK_WARP_ROWS + 16 * mt + gq;
+      ts[mt].a = *reinterpret_cast<const uint2*>(stage + ra * 32 + 8 * t);
+      ts[mt].b = *reinterpret_cast<const uint2*>(stage + (ra + 8) * 32 + 8 * t);
+      ts[mt].sa = reinterpret_cast<const float*>(stage + scales_off)[ra];
+      ts[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
+      group_codes<0>(ts[mt], lane_addr, f[mt]);
+    }
     constexpr int NC = NB < 4 ? NB : 4;  // blocks of x rows multiplied at once
 #pragma unroll
     for (int nb0 = 0; nb0 < NB; nb0 += NC) {
@@ -978,7 +965,7 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
           const uint32_t b0 = (s & 1) ? xs.z : xs.x, b1 = (s & 1) ? xs.w : xs.y;
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
-            mma_bf16(c[mt][j], fc[mt][s][0], fc[mt][s][1], fc[mt][s][2], fc[mt][s][3], b0, b1);
+            mma_bf16(c[mt][j], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], b0, b1);
           }
         }
       }
@@ -987,22 +974,13 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
 #pragma unroll
         for (int j = 0; j < NC; ++j) {
           float(&a)[4] = acc[mt][nb0 + j];
-          a[0] = fmaf(c[mt][j][0], tc[mt].sa, a[0]);
-          a[1] = fmaf(c[mt][j][1], tc[mt].sa, a[1]);
-          a[2] = fmaf(c[mt][j][2], tc[mt].sb, a[2]);
-          a[3] = fmaf(c[mt][j][3], tc[mt].sb, a[3]);
+          a[0] = fmaf(c[mt][j][0], ts[mt].sa, a[0]);
+          a[1] = fmaf(c[mt][j][1], ts[mt].sa, a[1]);
+          a[2] = fmaf(c[mt][j][2], ts[mt].sb, a[2]);
+          a[3] = fmaf(c[mt][j][3], ts[mt].sb, a[3]);
         }
       }
     }
-  };
-  if (g_lo < g_hi) {
-    wait_copies<BLOCK_STAGES - 2>();  // the first stage: this thread's copies, then every thread's
-    __syncthreads();
-    look_up(0, ts0, f0);
-  }
-  for (int i = 0; g_lo + i < g_hi; i += 2) {
-    step(i, ts0, f0, ts1, f1);
-    if (g_lo + i + 1 < g_hi) step(i + 1, ts1, f1, ts0, f0);
   }
   wait_copies<0>();  // no copy in flight when the block ends
   // lane (gq, t) holds rows gq and gq + 8 of each tile against x rows 8 nb + 2t and 8 nb + 2t + 1
