@@ -188,10 +188,10 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     # (80 blocks) at 16 and 64 rows of x, and 4 warps at 64 rows; stall reasons per issued instruction,
     # pipe utilisation, shared-memory wavefronts and bank conflicts
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for rows in 16 64; do
+    for rows in ${ROWS:-16 64}; do
       timeout 200 "$NCU" --clock-control none -k regex:'nf4_block_tiles' -s 2 -c 2 --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --metrics regex:'sm__inst_executed_pipe_(alu|fma|lsu|uniform|tensor).*\.avg\.pct_of_peak_sustained_active',regex:'sm__pipe_(alu|fma|shared|tensor).*cycles_active\.avg\.pct_of_peak_sustained_active',l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio',regex:'sm__inst_executed_pipe_(alu|fma|lsu|uniform|tensor).*\.avg\.pct_of_peak_sustained_active',regex:'sm__pipe_(alu|fma|shared|tensor).*cycles_active\.avg\.pct_of_peak_sustained_active',l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum \
         python3 -m bench.nf4_cuda --profile 32,8,1,1 32,4,1,1 --x-rows $rows --reps 2 2>&1 \
         | tee "$OUT/ncu-nf4-block-$rows.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -120
     done ;;
