@@ -116,6 +116,18 @@ def test_nf4_mma_fragments_match_bitsandbytes_dequantize_and_matmul(dtype):
     print(f"nf4 mma {dtype}: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
+def cuda_kernel() -> tuple[int, bool]:
+    """The CUDA kernel built (skipped without bitsandbytes or a CUDA compiler): the device's
+    multiprocessors and whether it launches with PDL."""
+    pytest.importorskip("bitsandbytes")
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
+    assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
+    return torch.cuda.get_device_properties(0).multi_processor_count, launch.supported(torch.device("cuda"))
+
+
 def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     """The CUDA kernel (kernels/nf4_cuda.py; built where a CUDA compiler is installed): its
     planned launches and others (1-8 weight rows per warp, one warp per row group or persistent
@@ -126,14 +138,7 @@ def test_nf4_cuda_one_row_kernel_matches_bitsandbytes_dequantize_and_matmul():
     packed weight, with and without PDL; a planned CUDA launch on an x it does not take (not
     16-byte aligned) runs the Triton kernel instead; planned launches replay from a CUDA graph, launched with PDL,
     the second reading what the first wrote."""
-    pytest.importorskip("bitsandbytes")
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME is None:
-        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
-    assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pdl = launch.supported(torch.device("cuda"))
+    sms, pdl = cuda_kernel()
     launches = list(nf4_cuda.CANDIDATES) + \
         [(r, 2, s, 0) for r in (1, 2, 4, 8) for s in (1, 3)] + \
         [(r, 4, s, b) for r in (1, 2, 4) for s in (1, 3) for b in (1, 8)] + \
@@ -199,14 +204,7 @@ def test_nf4_cuda_block_tiles_match_bitsandbytes_dequantize_and_matmul():
     block's, K of 64 and 448: fewer groups than the ring's stages), against dequantize_4bit +
     F.linear on the same packed weight; with PDL equal to without; replayed from a CUDA graph
     between PDL-launched Triton products."""
-    pytest.importorskip("bitsandbytes")
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME is None:
-        pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels")
-    assert nf4_cuda.extension() is not None, "the CUDA kernel builds where a compiler is installed"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pdl = launch.supported(torch.device("cuda"))
+    sms, pdl = cuda_kernel()
     launches = list(nf4_cuda.BLOCK_LAUNCHES) + [(32, 4, 3, 1), (32, 8, 40, 1)]
     worst, runs = 0.0, 0
     shapes = [(4096, 2560), (2560, 10240), (333, 448), (20480, 2560), (7, 64), (2560, 2048)]

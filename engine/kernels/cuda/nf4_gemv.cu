@@ -590,16 +590,22 @@ __device__ __forceinline__ void run_tiles(const Work& params, const float* __res
   wait_copies<0>();  // no copy in flight when the block ends
 }
 
-// y [M, N] = x [M, K] @ W^T: item tile / splits takes rows 16 tile .. 16 tile + 15 (rows past N
-// repeat its last) over K slice item % splits; lane l's x row is min(l / 4, M - 1) (the mma's
-// column l / 4).
-struct DenseTiles {
+// The operands of a dense product y [M, N] = x [M, K] @ W^T, K in slices of `groups_per_split`
+// groups of 64 columns (float32 partials of each slice where there are several).
+struct DenseOperands {
   const __nv_bfloat16* x;
   const uint8_t* packed;
   const float* absmax;
   float* partial;  // [splits, M, N] float32 where K is split
   __nv_bfloat16* y;
-  int n, m, stride_x, stride_p, stride_s, groups, groups_per_split, splits;
+  int n, m, stride_x, stride_p, stride_s, groups, groups_per_split;
+};
+
+// The dense product on the tiles: item tile / splits takes rows 16 tile .. 16 tile + 15 (rows past
+// N repeat its last) over K slice item % splits; lane l's x row is min(l / 4, M - 1) (the mma's
+// column l / 4).
+struct DenseTiles : DenseOperands {
+  int splits;
   static constexpr bool kRowsBeforeWait = true;
   static constexpr int kScratch = 0;
   __device__ void prepare(uint8_t*) {}
@@ -858,17 +864,8 @@ constexpr int block_smem(int warps, int nb) {
   return static_cast<int>(most);
 }
 
-struct BlockTiles {
-  const __nv_bfloat16* x;
-  const uint8_t* packed;
-  const float* absmax;
-  float* partial;  // [splits, M, N] float32 where K is split
-  __nv_bfloat16* y;
-  int n, m, stride_x, stride_p, stride_s, groups, groups_per_split;
-};
-
 template <int NB>
-__global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const BlockTiles p,
+__global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const DenseOperands p,
                                                                                    const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
@@ -1031,9 +1028,9 @@ template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*
 template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<4>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<5>(const DenseTiles, const float*);
-template __global__ void nf4_block_tiles_kernel<2>(const BlockTiles, const float*);
-template __global__ void nf4_block_tiles_kernel<4>(const BlockTiles, const float*);
-template __global__ void nf4_block_tiles_kernel<8>(const BlockTiles, const float*);
+template __global__ void nf4_block_tiles_kernel<2>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<4>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8>(const DenseOperands, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -1184,7 +1181,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int per = (groups + split - 1) / split;
     split = (groups + per - 1) / per;
     part = partials(split);
-    const BlockTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
+    const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4> : nf4_block_tiles_kernel<8>;
     const int smem = block_smem(static_cast<int>(warps), nb);
@@ -1210,7 +1207,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int per = (stages + split - 1) / split * STAGE_GROUPS;
     split = (groups + per - 1) / per;
     part = partials(split);
-    const DenseTiles work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per,
+    const DenseTiles work{{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per},
                           static_cast<int>(split)};
     const int64_t items = static_cast<int64_t>(tiles) * split;
     if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
