@@ -7,7 +7,8 @@ with the library's product.
 
 A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
 (float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
-blocks per SM of persistent warps that keep their next step's loads in flight. Rows 1-8 multiply
+blocks per SM of persistent warps that keep their next step's loads in flight (for the tiles the
+blocks their items spread over, for the block tiles the blocks their automatic split counts on). Rows 1-8 multiply
 on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores, each byte's
 two codes looked up at once from a table in shared memory, the weights streamed to each warp
 through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "cuda" / "nf4_gemv.cu"
 # tile launches: 8, 12 and 16 warps per SM, K split to spread the work
 TILE_LAUNCHES = ((16, 8, 0, 1), (16, 12, 0, 1), (16, 16, 0, 1))
-# the launches the plans time: at one row the fastest per Gemma-3 4B projection on an H200 (python
-# -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for gate/up; at 1-8
-# rows the tensor-core tiles
+# the launches the plans time at one row (`candidates`): the fastest per Gemma-3 4B projection on an
+# H200 (python -m bench.nf4_cuda), one warp per row group for QKV, O and down, persistent for
+# gate/up, and the tensor-core tiles
 CANDIDATES = ((2, 4, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (2, 2, 2, 0), (2, 4, 2, 0), (4, 8, 1, 8), (2, 8, 1, 8),
               (2, 4, 1, 4)) + TILE_LAUNCHES
 TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
@@ -126,7 +127,7 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
     if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
     if launch is not None and launch[0] == BLOCK_ROWS:
-        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in (4, 8)
+        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in (4, 8) or launch[3] < 1
                 or not blocks_supported(x.device.index, launch[1])):
             return False
     elif launch is not None and launch[0] == TILE_ROWS:

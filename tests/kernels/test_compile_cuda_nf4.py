@@ -123,6 +123,7 @@ def test_the_block_tiles_multiply_each_looked_up_weight_by_every_row_of_x(built,
     assert inner["HMMA.16816"] == 8 * nb and inner["LDS.128"] == 2 * nb, inner
     assert inner["PRMT"] == 32 and inner["LDS"] >= 32 + 4 and inner["LDS.64"] == 4, inner
     assert inner["BAR.SYNC"] == 1 and inner["DEPBAR.LE"] == 1 and inner["LDGSTS.E"] == 4, inner
+    assert inner["LDGDEPBAR"] == 1, inner  # one commit per group: the wait's count of groups in flight holds
     assert not any(op.startswith(("LDG.", "LDL", "STL", "SHFL")) for op in inner), inner
     assert not any(op.startswith(("LDL", "STL")) for loop in _loops(part) for op in loop)
     # per block of 8 rows of x: 8 mma, 8 multiply-adds of the group's absmax, 2 reads; the rest (the
@@ -166,7 +167,7 @@ def test_the_tiles_shared_memory_layout_holds_every_alignment_of_the_base(tmp_pa
     distance from the block's base to the table's 64 KiB boundary, 1-16 warps, with and without
     the experts' scratch, the table, the scratch and each warp's ring are 16-byte aligned, overlap
     nothing, and end within the bytes the launcher allocates; and 16 warps with the scratch fit
-    Hopper's 227 KiB. The same for the block tiles' table and ring stages (block_stage_offset, block_smem)
+    Hopper's 227 KiB. The same for the block tiles' table and ring stages (BlockRing, block_smem)
     at 4 and 8 warps and 16-64 rows of x."""
     if NVCC is None or not os.path.exists(NVCC):
         pytest.skip("no CUDA compiler here: the engine keeps to the Triton kernels (nf4_cuda.extension)")
@@ -198,7 +199,7 @@ int main() {
       for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
         uint32_t lo[BLOCK_STAGES + 1], hi[BLOCK_STAGES + 1];
         lo[0] = pad, hi[0] = pad + TABLE_BYTES;
-        for (int s = 0; s < BLOCK_STAGES; ++s) lo[s + 1] = block_stage_offset(s, pad, sb), hi[s + 1] = lo[s + 1] + sb;
+        for (int s = 0; s < BLOCK_STAGES; ++s) lo[s + 1] = BlockRing(pad, sb).at(s), hi[s + 1] = lo[s + 1] + sb;
         for (int i = 0; i <= BLOCK_STAGES; ++i) {
           bad += lo[i] % 16 != 0 || hi[i] > most;
           for (int j = i + 1; j <= BLOCK_STAGES; ++j) bad += lo[i] < hi[j] && lo[j] < hi[i];

@@ -833,7 +833,7 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 // the columns as the tiles' do (lane t of a row's four: bytes 8t .. 8t + 7), so its B fragments
 // are 32 bytes of its x row at column 16t. Each group's products are summed in float32 and scaled
 // by its absmax after them; the products of up to four blocks of x rows go at once, k step by k
-// step, so that a warp has eight independent mma in flight. Rows of x past M repeat row M - 1 and
+// step, so that a warp has eight independent mma in flight (four for 16 rows of x). Rows of x past M repeat row M - 1 and
 // weight rows past N repeat the last; neither is stored. The weights' first copies are issued
 // before the PDL wait, x's after it.
 constexpr int BLOCK_STAGES = 8;
@@ -846,18 +846,22 @@ __host__ __device__ constexpr uint32_t block_stage_bytes(uint32_t warps, uint32_
   return warps * BLOCK_WARP_ROWS * (32 + 4) + nb * 8 * 128;
 }
 
-// Stage s's offset from the dynamic shared memory's base, given `pad` (the bytes from the base to
-// the table) and the stage's bytes: the stages that fit before the table go there, the rest after it.
-__host__ __device__ constexpr uint32_t block_stage_offset(uint32_t s, uint32_t pad, uint32_t stage_bytes) {
-  return s < pad / stage_bytes ? s * stage_bytes : pad + TABLE_BYTES + (s - pad / stage_bytes) * stage_bytes;
-}
+// Where the ring's stages sit, as offsets from the dynamic shared memory's base, given `pad` (the
+// bytes from the base to the table) and a stage's bytes: the stages that fit before the table go
+// there (`before` of them), the rest after it (the stages from `before` on `jump` the table).
+struct BlockRing {
+  uint32_t stage_bytes, before, jump;
+  __host__ __device__ constexpr BlockRing(uint32_t pad, uint32_t sb)
+      : stage_bytes(sb), before(pad / sb), jump(pad + TABLE_BYTES - pad / sb * sb) {}
+  __host__ __device__ constexpr uint32_t at(uint32_t s) const { return s * stage_bytes + (s >= before ? jump : 0u); }
+};
 
 // A block's shared memory: the most any alignment of the base needs
 constexpr int block_smem(int warps, int nb) {
   const uint32_t sb = block_stage_bytes(warps, nb);
   uint32_t most = 0;
   for (uint32_t pad = 0; pad < TABLE_BYTES; pad += 16) {
-    const uint32_t last = block_stage_offset(BLOCK_STAGES - 1, pad, sb) + sb;
+    const uint32_t last = BlockRing(pad, sb).at(BLOCK_STAGES - 1) + sb;
     const uint32_t end = last > pad + TABLE_BYTES ? last : pad + TABLE_BYTES;
     most = end > most ? end : most;
   }
@@ -874,9 +878,7 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
   const int bn = (threads >> 5) * BLOCK_WARP_ROWS, n0 = blockIdx.x * bn;
   const uint32_t stage_bytes = block_stage_bytes(threads >> 5, NB), pad = table_addr - base;
   const uint8_t* smem_bytes = reinterpret_cast<const uint8_t*>(smem_words);
-  // block_stage_offset with its division taken once: the stages from `before` on jump the table
-  const uint32_t before = pad / stage_bytes, jump = pad + TABLE_BYTES - before * stage_bytes;
-  auto stage_at = [&](uint32_t s) { return s * stage_bytes + (s >= before ? jump : 0u); };
+  const BlockRing ring(pad, stage_bytes);
   const uint32_t scales_off = bn * 32, x_off = bn * 36;
   const int g_lo = blockIdx.y * p.groups_per_split, g_hi = min(g_lo + p.groups_per_split, p.groups);
   // group g's weight rows and absmax into the stage at `stage` (shared address): the block has as
@@ -901,14 +903,14 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
   // BLOCK_STAGES groups in all before the loop, which waits for all but the last BLOCK_STAGES - 2
 #pragma unroll
   for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
-    if (g_lo + s < g_hi) copy_weights(g_lo + s, base + stage_at(s));
+    if (g_lo + s < g_hi) copy_weights(g_lo + s, base + ring.at(s));
   }
   commit_copies();
   __syncthreads();  // the table
   pdl_enter();
 #pragma unroll
   for (int s = 0; s < BLOCK_STAGES - 1; ++s) {
-    if (g_lo + s < g_hi) copy_x(g_lo + s, base + stage_at(s));
+    if (g_lo + s < g_hi) copy_x(g_lo + s, base + ring.at(s));
     commit_copies();
   }
   const int gq = lane >> 2, t = lane & 3;
@@ -926,12 +928,12 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
     // the stage read in the step before is free: refill it with the group BLOCK_STAGES - 1 ahead
     const int g_next = g_lo + i + BLOCK_STAGES - 1;
     if (g_next < g_hi) {
-      const uint32_t fill = base + stage_at((i + BLOCK_STAGES - 1) % BLOCK_STAGES);
+      const uint32_t fill = base + ring.at((i + BLOCK_STAGES - 1) % BLOCK_STAGES);
       copy_weights(g_next, fill);
       copy_x(g_next, fill);
     }
     commit_copies();
-    const uint8_t* stage = smem_bytes + stage_at(i % BLOCK_STAGES);
+    const uint8_t* stage = smem_bytes + ring.at(i % BLOCK_STAGES);
     TileStep ts[2];
     uint32_t f[2][4][4];
 #pragma unroll
@@ -1135,7 +1137,9 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table takes 64 KiB of shared memory at a 64 KiB boundary and each warp's ring 6.75 KiB), `split` 0 for the
-// K slices that spread the items best. `mode` 0: the product; 1 and 2 the measurement variants
+// K slices that spread the items best. `rows` 32: M 1-64, block tiles of 4 or 8 warps, one block per
+// 32 weight rows a warp and K slice (the grid is row blocks x split), `split` 0 for the slices
+// whose waves over `blocks` blocks end soonest. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
 // copies that read whole sectors. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
@@ -1166,8 +1170,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == BLOCK_WARP_ROWS) {
-    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS),
-                "block tiles: 1-64 rows of x, 4 or 8 warps, the product alone");
+    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0,
+                "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more, the product alone");
     const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
     if (split <= 0) {  // the slice length whose waves of blocks over `blocks` (one per SM) end soonest,
       // counting the ring's filling as BLOCK_STAGES - 1 groups
@@ -1184,8 +1188,13 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4> : nf4_block_tiles_kernel<8>;
-    const int smem = block_smem(static_cast<int>(warps), nb);
-    opt_in(reinterpret_cast<const void*>(kernel), x.device(), block_smem(BLOCK_MAX_WARPS, nb));
+    static const std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> smem_for = [] {  // by warps and NB
+      std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> t{};
+      for (int w : {4, BLOCK_MAX_WARPS}) for (int b : {2, 4, 8}) t[w][b] = block_smem(w, b);
+      return t;
+    }();
+    const int smem = smem_for[warps][nb];
+    opt_in(reinterpret_cast<const void*>(kernel), x.device(), smem_for[BLOCK_MAX_WARPS][nb]);
     check_smem(x.device(), smem, warps);
     launch(kernel, dim3(row_blocks, split), dim3(32 * warps), smem, stream, pdl, work, cp);
   } else if (rows == 16) {
