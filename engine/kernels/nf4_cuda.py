@@ -91,25 +91,27 @@ def extension():
         return None
 
 
+def _holds(index: int, shared_bytes: int) -> bool:
+    """Whether device `index` runs a tile kernel whose block takes `shared_bytes` of shared memory:
+    bf16 mma.sync and cp.async (compute capability 8.0) and the block's opt-in shared memory."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major >= 8 and getattr(props, "shared_memory_per_block_optin", 0) >= shared_bytes
+
+
 @functools.cache
 def tiles_supported(index: int, warps: int = min(w for _, w, _, _ in TILE_LAUNCHES)) -> bool:
-    """Whether device `index` runs tiles of `warps` warps per block: bf16 mma.sync and cp.async
-    (compute capability 8.0) and a block's opt-in shared memory for the table and the warps' rings
+    """Whether device `index` runs tiles of `warps` warps per block: the table and the warps' rings
     (the extension's `nf4_tile_shared_bytes`)."""
     ext = extension()
-    props = torch.cuda.get_device_properties(index)
-    return (ext is not None and props.major >= 8
-            and getattr(props, "shared_memory_per_block_optin", 0) >= ext.nf4_tile_shared_bytes(warps))
+    return ext is not None and _holds(index, ext.nf4_tile_shared_bytes(warps))
 
 
 @functools.cache
 def blocks_supported(index: int, warps: int) -> bool:
-    """Whether device `index` runs block tiles of `warps` warps: as `tiles_supported`, with the
-    block's table and ring (`nf4_block_shared_bytes`)."""
+    """Whether device `index` runs block tiles of `warps` warps: the table and the block's ring
+    (`nf4_block_shared_bytes`)."""
     ext = extension()
-    props = torch.cuda.get_device_properties(index)
-    return (ext is not None and props.major >= 8
-            and getattr(props, "shared_memory_per_block_optin", 0) >= ext.nf4_block_shared_bytes(warps))
+    return ext is not None and _holds(index, ext.nf4_block_shared_bytes(warps))
 
 
 def _weight_fits(w, device: torch.device, k: int) -> bool:

@@ -1132,6 +1132,18 @@ void launch_tiles(void (*kernel)(const Work, const float*), int64_t items, int64
   }
 }
 
+// The number of slices to cut `length` steps of K into, for `units` pieces of work per slice run by
+// `resident` workers at once: the slice length whose rounds end soonest, a slice of p steps costing
+// p + `overhead` (fewer slices where two lengths cost the same).
+int64_t spread_slices(int64_t units, int length, int64_t resident, int overhead) {
+  int64_t best = -1, slices = 1;
+  for (int p = length; p >= 1; --p) {
+    const int64_t s = (length + p - 1) / p, cost = (units * s + resident - 1) / resident * (p + overhead);
+    if (best < 0 || cost < best) best = cost, slices = s;
+  }
+  return slices;
+}
+
 // x [M, K] bf16 (rows contiguous, 16-byte aligned), packed [N, K/2] uint8, absmax [N, K/64] float32,
 // code [16] float32, y [M, N] bf16, partial [split, M, N] float32 (split > 1; allocated here where
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
@@ -1173,15 +1185,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0,
                 "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more, the product alone");
     const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
-    if (split <= 0) {  // the slice length whose waves of blocks over `blocks` (one per SM) end soonest,
-      // counting the ring's filling as BLOCK_STAGES - 1 groups
-      int64_t best = -1;
-      for (int s = 1; s <= groups; ++s) {
-        const int per = (groups + s - 1) / s, slices = (groups + per - 1) / per;
-        const int64_t cost = (static_cast<int64_t>(row_blocks) * slices + blocks - 1) / blocks * (per + BLOCK_STAGES - 1);
-        if (best < 0 || cost < best) best = cost, split = slices;
-      }
-    }
+    // the blocks over `blocks` (one per SM), the ring's filling counted as BLOCK_STAGES - 1 groups
+    if (split <= 0) split = spread_slices(row_blocks, groups, blocks, BLOCK_STAGES - 1);
     const int per = (groups + split - 1) / split;
     split = (groups + per - 1) / per;
     part = partials(split);
@@ -1204,15 +1209,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     // K is cut into slices of whole ring stages (STAGE_GROUPS groups), so that only the last slice
     // can end on a stage of one group
     const int groups = k / 64, tiles = (n + 15) / 16, stages = (groups + STAGE_GROUPS - 1) / STAGE_GROUPS;
-    if (split <= 0) {  // the slice length whose rounds of items over the grid's warps end soonest, counting
-      // an item's own cost (its x row, its store) as one stage
-      const int64_t resident = blocks * warps;
-      int64_t best = -1;
-      for (int p = stages; p >= 1; --p) {
-        const int64_t s = (stages + p - 1) / p, cost = (tiles * s + resident - 1) / resident * (p + 1);
-        if (best < 0 || cost < best) best = cost, split = s;
-      }
-    }
+    // the items over the grid's warps, an item's own cost (its x row, its store) counted as one stage
+    if (split <= 0) split = spread_slices(tiles, stages, blocks * warps, 1);
     const int per = (stages + split - 1) / split * STAGE_GROUPS;
     split = (groups + per - 1) / per;
     part = partials(split);
