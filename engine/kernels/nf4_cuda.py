@@ -13,9 +13,8 @@ on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor
 two codes looked up at once from a table in shared memory, the weights streamed to each warp
 through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
 work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
-at the cost of one); rows 32 is a block of 4 or 8 warps of 32 weight rows each (or of 16 warps of
-16 rows each: twice the warps per SM, each with half the registers), walking K together through
-one ring that holds x's rows beside the weights, for 1-64 rows of x (the block tiles). It
+at the cost of one); rows 32 is a block of 4 or 8 warps of 32 weight rows each, walking K together
+through one ring that holds x's rows beside the weights, for 1-64 rows of x (the block tiles). It
 takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned
 (`fits`: one row, for tiles up to 8, for block tiles up to 64).
 """
@@ -42,10 +41,8 @@ TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
 MAX_TILE_X_ROWS = 8  # and they take up to this many rows of x (the mma's columns)
 BLOCK_ROWS = 32  # a launch's rows for the block tiles
 MAX_X_ROWS = 64  # and they take up to this many rows of x
-# block tile launches: 8, 4 or 16 warps, one block per SM, K split to spread the blocks (0) or as given
-BLOCK_LAUNCHES = ((32, 8, 0, 1), (32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1), (32, 4, 1, 1), (32, 16, 0, 1),
-                  (32, 16, 1, 1))
-BLOCK_WARPS = (4, 8, 16)  # the block tiles' warps per block
+# block tile launches: 8 or 4 warps, one block per SM, K split to spread the blocks (0) or as given
+BLOCK_LAUNCHES = ((32, 8, 0, 1), (32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1), (32, 4, 1, 1))
 
 
 def candidates(m: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -132,7 +129,7 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
     if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
     if launch is not None and launch[0] == BLOCK_ROWS:
-        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in BLOCK_WARPS or launch[3] < 1
+        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in (4, 8) or launch[3] < 1
                 or not blocks_supported(x.device.index, launch[1])):
             return False
     elif launch is not None and launch[0] == TILE_ROWS:

@@ -822,8 +822,8 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 }
 
 // Block tiles for 1-64 rows of x (a launch's `rows` 32): each block takes 32 weight rows per warp
-// (MT = 2 16-row tiles, mma.sync's A operand, the codes looked up from the block's table as above;
-// blocks of 16 warps take MT = 1, 16 rows a warp, for twice the warps per SM) over one K slice, and x's rows, up to 8 NB of them, as the B operand's columns in NB blocks of
+// (two 16-row tiles, mma.sync's A operand, the codes looked up from the block's table as above)
+// over one K slice, and x's rows, up to 8 NB of them, as the B operand's columns in NB blocks of
 // eight, so that each weight decoded is multiplied by every row of x. The block's warps walk K
 // together, one group a step, through a ring of BLOCK_STAGES stages in shared memory filled by
 // asynchronous copies BLOCK_STAGES - 1 groups ahead: a stage holds the block's rows' 32 bytes of
@@ -833,21 +833,17 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 // the columns as the tiles' do (lane t of a row's four: bytes 8t .. 8t + 7), so its B fragments
 // are 32 bytes of its x row at column 16t. Each group's products are summed in float32 and scaled
 // by its absmax after them; the products of up to four blocks of x rows go at once, k step by k
-// step, so that a warp has 4 MT independent mma in flight (2 MT for 16 rows of x). Rows of x past M repeat row M - 1 and
+// step, so that a warp has eight independent mma in flight (four for 16 rows of x). Rows of x past M repeat row M - 1 and
 // weight rows past N repeat the last; neither is stored. The weights' first copies are issued
 // before the PDL wait, x's after it.
 constexpr int BLOCK_STAGES = 8;
-constexpr int BLOCK_WARP_ROWS = 32;  // a launch's `rows` for the block tiles
-constexpr int BLOCK_MAX_WARPS = 16;
-
-// The weight rows of each warp of a block of `warps` warps: two 16-row tiles in blocks of 4 or 8
-// warps; one in blocks of 16, whose threads have half the registers (the block's rows stay 256).
-__host__ __device__ constexpr int block_warp_rows(int warps) { return warps > 8 ? 16 : 32; }
+constexpr int BLOCK_WARP_ROWS = 32;
+constexpr int BLOCK_MAX_WARPS = 8;
 
 // a ring stage's bytes for `warps` warps and NB blocks of 8 rows of x: the rows' bytes, their
 // absmax, x's rows
 __host__ __device__ constexpr uint32_t block_stage_bytes(uint32_t warps, uint32_t nb) {
-  return warps * block_warp_rows(warps) * (32 + 4) + nb * 8 * 128;
+  return warps * BLOCK_WARP_ROWS * (32 + 4) + nb * 8 * 128;
 }
 
 // Where the ring's stages sit, as offsets from the dynamic shared memory's base, given `pad` (the
@@ -872,53 +868,35 @@ constexpr int block_smem(int warps, int nb) {
   return static_cast<int>(most);
 }
 
-template <int NB, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const DenseOperands p,
-                                                                        const float* __restrict__ code) {
-  constexpr int WARP_ROWS = block_warp_rows(WARPS), MT = WARP_ROWS / 16, THREADS = WARPS * 32;
-  constexpr int BN = WARPS * WARP_ROWS;                       // the block's weight rows
-  constexpr uint32_t STAGE = block_stage_bytes(WARPS, NB), SCALES = BN * 32, XS = BN * 36;  // a stage's parts
-  constexpr int X_CHUNKS = NB * 64, X_COPIES = (X_CHUNKS + THREADS - 1) / THREADS;  // x's 16-byte chunks a group
+template <int NB>
+__global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const DenseOperands p,
+                                                                                   const float* __restrict__ code) {
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = build_table(smem_words, base, code);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * BN;
+  const int threads = blockDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int bn = (threads >> 5) * BLOCK_WARP_ROWS, n0 = blockIdx.x * bn;
+  const uint32_t stage_bytes = block_stage_bytes(threads >> 5, NB), pad = table_addr - base;
   const uint8_t* smem_bytes = reinterpret_cast<const uint8_t*>(smem_words);
-  const BlockRing ring(table_addr - base, STAGE);
+  const BlockRing ring(pad, stage_bytes);
+  const uint32_t scales_off = bn * 32, x_off = bn * 36;
   const int g_lo = blockIdx.y * p.groups_per_split, g_hi = min(g_lo + p.groups_per_split, p.groups);
-  // group g's weight rows and absmax into the stage at `stage` (shared address): the block's rows
-  // are MT / 2 of its threads, so each thread makes MT of the rows' 16-byte copies (chunk c: row
-  // c / 2, its half c % 2) and, where MT is 2 or it is among the first half, one absmax copy
-  const uint8_t* w_src[MT];
-#pragma unroll
-  for (int j = 0; j < MT; ++j) {
-    const int c = threadIdx.x + j * THREADS;
-    w_src[j] = p.packed + (size_t)min(n0 + (c >> 1), p.n - 1) * p.stride_p + 16 * (c & 1);
-  }
-  const bool copies_scale = MT == 2 || (int)threadIdx.x < BN;
+  // group g's weight rows and absmax into the stage at `stage` (shared address): the block has as
+  // many threads as rows, so each thread makes two of the rows' 16-byte copies and one absmax copy
+  const int w_row0 = min(n0 + (threadIdx.x >> 1), p.n - 1), w_row1 = min(n0 + ((threadIdx.x + threads) >> 1), p.n - 1);
+  const uint8_t* w_src0 = p.packed + (size_t)w_row0 * p.stride_p + 16 * (threadIdx.x & 1);
+  const uint8_t* w_src1 = p.packed + (size_t)w_row1 * p.stride_p + 16 * (threadIdx.x & 1);
   const float* s_src = p.absmax + (size_t)min(n0 + (int)threadIdx.x, p.n - 1) * p.stride_s;
   auto copy_weights = [&](int g, uint32_t stage) {
-#pragma unroll
-    for (int j = 0; j < MT; ++j) copy_async16(stage + 16 * (threadIdx.x + j * THREADS), w_src[j] + 32 * g);
-    if (copies_scale) copy_async4(stage + SCALES + 4 * threadIdx.x, s_src + g);
+    copy_async16(stage + 16 * threadIdx.x, w_src0 + 32 * g);
+    copy_async16(stage + 16 * (threadIdx.x + threads), w_src1 + 32 * g);
+    copy_async4(stage + scales_off + 4 * threadIdx.x, s_src + g);
   };
-  // x's chunk i (row i / 8, its 16-byte chunk c = i % 8 of the group, at chunk c ^ (r & 1) of the
-  // stage's row): each thread's X_COPIES chunks, their offsets in x's elements and in the stage
-  // worked out once
-  int x_src[X_COPIES];
-  uint32_t x_dst[X_COPIES];
-#pragma unroll
-  for (int j = 0; j < X_COPIES; ++j) {
-    const int i = threadIdx.x + j * THREADS, r = i >> 3, c = i & 7;
-    x_src[j] = min(r, p.m - 1) * p.stride_x + 8 * c;
-    x_dst[j] = XS + r * 128 + ((c ^ (r & 1)) << 4);
-  }
   auto copy_x = [&](int g, uint32_t stage) {
-#pragma unroll
-    for (int j = 0; j < X_COPIES; ++j) {
-      if (X_CHUNKS % THREADS == 0 || (int)threadIdx.x + j * THREADS < X_CHUNKS) {
-        copy_async16(stage + x_dst[j], p.x + x_src[j] + 64 * g);
-      }
+    for (int i = threadIdx.x; i < NB * 64; i += threads) {
+      const int r = i >> 3, c = i & 7;
+      copy_async16(stage + x_off + r * 128 + ((c ^ (r & 1)) << 4),
+                   p.x + (size_t)min(r, p.m - 1) * p.stride_x + 64 * g + 8 * c);
     }
   };
   // the weights of the first BLOCK_STAGES - 1 groups in one copy group, then x's, one per group:
@@ -937,9 +915,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const De
   }
   const int gq = lane >> 2, t = lane & 3;
   const uint32_t lane_addr = table_addr | lane * 4u;
-  float acc[MT][NB][4];
+  float acc[2][NB][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -956,15 +934,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const De
     }
     commit_copies();
     const uint8_t* stage = smem_bytes + ring.at(i % BLOCK_STAGES);
-    TileStep ts[MT];
-    uint32_t f[MT][4][4];
+    TileStep ts[2];
+    uint32_t f[2][4][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int ra = warp * WARP_ROWS + 16 * mt + gq;
+    for (int mt = 0; mt < 2; ++mt) {
+      const int ra = warp * BLOCK_WARP_ROWS + 16 * mt + gq;
       ts[mt].a = *reinterpret_cast<const uint2*>(stage + ra * 32 + 8 * t);
       ts[mt].b = *reinterpret_cast<const uint2*>(stage + (ra + 8) * 32 + 8 * t);
-      ts[mt].sa = reinterpret_cast<const float*>(stage + SCALES)[ra];
-      ts[mt].sb = reinterpret_cast<const float*>(stage + SCALES)[ra + 8];
+      ts[mt].sa = reinterpret_cast<const float*>(stage + scales_off)[ra];
+      ts[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
       group_codes<0>(ts[mt], lane_addr, f[mt]);
     }
     constexpr int NC = NB < 4 ? NB : 4;  // blocks of x rows multiplied at once
@@ -973,11 +951,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const De
       uint4 xv[NC][2];
 #pragma unroll
       for (int j = 0; j < NC; ++j) {
-        const uint8_t* xr = stage + XS + (8 * (nb0 + j) + gq) * 128;
+        const uint8_t* xr = stage + x_off + (8 * (nb0 + j) + gq) * 128;
         xv[j][0] = *reinterpret_cast<const uint4*>(xr + (((2 * t) ^ (gq & 1)) << 4));
         xv[j][1] = *reinterpret_cast<const uint4*>(xr + (((2 * t + 1) ^ (gq & 1)) << 4));
       }
-      float c[MT][NC][4] = {};
+      float c[2][NC][4] = {};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
 #pragma unroll
@@ -985,13 +963,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const De
           const uint4& xs = xv[j][s >> 1];
           const uint32_t b0 = (s & 1) ? xs.z : xs.x, b1 = (s & 1) ? xs.w : xs.y;
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
+          for (int mt = 0; mt < 2; ++mt) {
             mma_bf16(c[mt][j], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], b0, b1);
           }
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int j = 0; j < NC; ++j) {
           float(&a)[4] = acc[mt][nb0 + j];
@@ -1006,8 +984,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) nf4_block_tiles_kernel(const De
   wait_copies<0>();  // no copy in flight when the block ends
   // lane (gq, t) holds rows gq and gq + 8 of each tile against x rows 8 nb + 2t and 8 nb + 2t + 1
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int ra = n0 + warp * WARP_ROWS + 16 * mt + gq, rb = ra + 8;
+  for (int mt = 0; mt < 2; ++mt) {
+    const int ra = n0 + warp * BLOCK_WARP_ROWS + 16 * mt + gq, rb = ra + 8;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -1052,14 +1030,9 @@ template __global__ void nf4_gemv_table_kernel<0>(const DenseTiles, const float*
 template __global__ void nf4_gemv_table_kernel<3>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<4>(const DenseTiles, const float*);
 template __global__ void nf4_gemv_table_kernel<5>(const DenseTiles, const float*);
-#define BLOCK_TILES(W) \
-  template __global__ void nf4_block_tiles_kernel<2, W>(const DenseOperands, const float*); \
-  template __global__ void nf4_block_tiles_kernel<4, W>(const DenseOperands, const float*); \
-  template __global__ void nf4_block_tiles_kernel<8, W>(const DenseOperands, const float*);
-BLOCK_TILES(4)
-BLOCK_TILES(8)
-BLOCK_TILES(16)
-#undef BLOCK_TILES
+template __global__ void nf4_block_tiles_kernel<2>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<4>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8>(const DenseOperands, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -1176,8 +1149,8 @@ int64_t spread_slices(int64_t units, int length, int64_t resident, int overhead)
 // it is not float32 or smaller); K a multiple of 64, rows 16-byte aligned (checked by the caller). `rows` 1-8: M 1;
 // `blocks` > 0: persistent warps in that many blocks. `rows` 16: M 1-8, tiles on tensor cores in
 // `blocks` blocks (one per SM at most: the table takes 64 KiB of shared memory at a 64 KiB boundary and each warp's ring 6.75 KiB), `split` 0 for the
-// K slices that spread the items best. `rows` 32: M 1-64, block tiles of 4 or 8 warps (or 16 of 16 rows each), one block per
-// 256 (128 for 4 warps) weight rows and K slice (the grid is row blocks x split), `split` 0 for the slices
+// K slices that spread the items best. `rows` 32: M 1-64, block tiles of 4 or 8 warps, one block per
+// 32 weight rows a warp and K slice (the grid is row blocks x split), `split` 0 for the slices
 // whose waves over `blocks` blocks end soonest. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
 // copies that read whole sectors. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
@@ -1209,9 +1182,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == BLOCK_WARP_ROWS) {
-    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == 8 || warps == 16) && blocks > 0,
-                "block tiles: 1-64 rows of x, 4, 8 or 16 warps, one block per SM or more, the product alone");
-    const int w = static_cast<int>(warps), groups = k / 64, bn = w * block_warp_rows(w), row_blocks = (n + bn - 1) / bn;
+    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0,
+                "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more, the product alone");
+    const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
     // the blocks over `blocks` (one per SM), the ring's filling counted as BLOCK_STAGES - 1 groups
     if (split <= 0) split = spread_slices(row_blocks, groups, blocks, BLOCK_STAGES - 1);
     const int per = (groups + split - 1) / split;
@@ -1219,19 +1192,14 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     part = partials(split);
     const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
-    using BlockKernel = void (*)(const DenseOperands, const float*);
-    static constexpr BlockKernel kernels[3][3] = {
-        {nf4_block_tiles_kernel<2, 4>, nf4_block_tiles_kernel<4, 4>, nf4_block_tiles_kernel<8, 4>},
-        {nf4_block_tiles_kernel<2, 8>, nf4_block_tiles_kernel<4, 8>, nf4_block_tiles_kernel<8, 8>},
-        {nf4_block_tiles_kernel<2, 16>, nf4_block_tiles_kernel<4, 16>, nf4_block_tiles_kernel<8, 16>}};
-    const BlockKernel kernel = kernels[w == 4 ? 0 : w == 8 ? 1 : 2][nb == 2 ? 0 : nb == 4 ? 1 : 2];
+    auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4> : nf4_block_tiles_kernel<8>;
     static const std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> smem_for = [] {  // by warps and NB
       std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> t{};
-      for (int v : {4, 8, 16}) for (int b : {2, 4, 8}) t[v][b] = block_smem(v, b);
+      for (int w : {4, BLOCK_MAX_WARPS}) for (int b : {2, 4, 8}) t[w][b] = block_smem(w, b);
       return t;
     }();
     const int smem = smem_for[warps][nb];
-    opt_in(reinterpret_cast<const void*>(kernel), x.device(), smem);
+    opt_in(reinterpret_cast<const void*>(kernel), x.device(), smem_for[BLOCK_MAX_WARPS][nb]);
     check_smem(x.device(), smem, warps);
     launch(kernel, dim3(row_blocks, split), dim3(32 * warps), smem, stream, pdl, work, cp);
   } else if (rows == 16) {
