@@ -1,8 +1,9 @@
 """Launch settings of the decode kernels, measured on the GPU.
 
 Three families of cases, on the BENCH.md shapes:
-  attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer,
-             N rows of about 1,238 tokens, N in 1..256
+  attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer
+             (on Gemma 4, with the exact layers' own K/V heads and head size), N rows of about 1,238
+             tokens, N in 1..256
   linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows
   experts    (MoE shapes) the experts kernels' two stages at a few tokens, each routed to top-k
              random experts
@@ -13,7 +14,8 @@ where there is one, and the best candidate, each in us and in GB/s of bytes that
 beside the measured copy bandwidth. JSON goes to bench/results.
 
     python -m bench.tune_kernels [--shape gemma3-4b gemma3-1b] [--n 1 8 64 256] [--rows 1 2 4 8] [--quick]
-    python -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8   # the MoE kernels
+    python -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n   # the MoE kernels
+    python -m bench.tune_kernels --shape gemma4-26b-a4b --n 1 8             # its attention
 """
 
 from __future__ import annotations
@@ -58,13 +60,17 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
                     seed: int = 0):
     """Yields (layout, bytes read per call, current kwargs, candidate kwargs list, make_calls)."""
     g = torch.Generator(device=dev).manual_seed(seed)
-    H, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    H = shape["num_attention_heads"]
     pos = torch.randint(PROMPT, PROMPT + 128, (n,), device=dev, generator=g)
     rows = torch.arange(n, device=dev)
-    scale = D ** -0.5
     grid = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)) if not quick else
                 itertools.product((16, 32), (4,), (2, 3)))
     for layout in ("ring", "paged"):
+        # the ring holds a sliding layer, the pages an exact one: on Gemma 4 fewer and wider K/V heads
+        exact = layout == "paged" and "global_head_dim" in shape
+        Hkv = shape["num_global_key_value_heads"] if exact else shape["num_key_value_heads"]
+        D = shape["global_head_dim"] if exact else shape["head_dim"]
+        scale = D ** -0.5
         if layout == "ring":
             slots = (n + 1) * (sink + window)
             per = n * (sink + window) * Hkv * D * 2 * dtype.itemsize
@@ -223,7 +229,8 @@ def main() -> None:
     with torch.inference_mode():
         for name in a.shape:
             shape = SHAPES[name]
-            if "num_experts" in shape:
+            moe_shape = "num_experts" in shape
+            if moe_shape and a.experts:
                 if not cuda:
                     print(f"{name}: the experts kernels need CUDA")
                     continue
@@ -240,7 +247,6 @@ def main() -> None:
                                                        current=current, current_us=cur, best=best, best_us=best_us,
                                                        top=[dict(us=t, launch=k) for t, k in timed[:6]]))
                 out.write_text(json.dumps({**meta, **results}, indent=1))
-                continue
             if a.n:
                 print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
                 print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
@@ -257,10 +263,10 @@ def main() -> None:
                         shape=name, layout=layout, n=n, bytes=nbytes, floor_us=floor, current=current,
                         current_us=cur, best=best, best_us=best_us,
                         all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
-            if a.rows:
+            if a.rows and not moe_shape:
                 print(f"\n{name} projections (us; GB/s of weight read)")
                 print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best gemv':>15}  launch")
-            for rows in a.rows:
+            for rows in ([] if moe_shape else a.rows):  # an MoE shape's products: --experts
                 for proj, nbytes, lib, split, cands in linear_cases(shape, rows, dtype, sms, dev):
                     t_lib, t_split = graph_us(lib), graph_us(split)
                     timed = sorted(((graph_us(c), k) for k, c in cands.items()), key=lambda t: t[0])
