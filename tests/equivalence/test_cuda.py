@@ -77,13 +77,17 @@ def test_cuda_long_prefill_chunks_equal_the_cpu_engine(policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["paged", "paged-window", "ring", "ring-softcap"])
+@pytest.mark.parametrize("layout", ["paged", "paged-window", "paged-wide", "ring", "ring-softcap"])
 def test_decode_attention_kernel_matches_reference(layout, dtype):
-    """The Triton decode kernels against the torch reference on fresh random ragged rows."""
-    from engine.kernels.decode_attention import decode_attention, reference
+    """The Triton decode kernels against the torch reference on fresh random ragged rows (paged-wide:
+    two K/V heads of 512 for 16 query heads, as Gemma 4's exact layers, on their own default launch)."""
+    from engine.kernels.decode_attention import decode_attention, launch_for, reference
 
     gen = torch.Generator(device="cuda").manual_seed(hash((layout, str(dtype))) % 1000)
     B, H, hkv, D, page = 13, 8, 2, 64, 16
+    if layout == "paged-wide":
+        H, D = 16, 512
+        assert launch_for(True, B, hkv, D) != launch_for(True, B, hkv, 64)
     num_rows, max_blocks = 20, 40
     rows = torch.randperm(num_rows, device="cuda", generator=gen)[:B]
     pos = torch.randint(0, page * max_blocks - 1, (B,), device="cuda", generator=gen)
