@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -169,6 +169,14 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     stage_decode gemma4-26b-a4b after
     if [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ]; then echo "no time left for BEFORE"
     else stage_decode gemma4-26b-a4b before; fi ;;
+  attn-wide)  # decode attention with heads of 512 (Gemma 4's exact layers): the kernel against the
+    # reference on its default launch, the launches timed again, then 4-bit decode of the 26B-A4B
+    # shape at N=1 and 8, this tree then BEFORE, same machine
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py \
+      -k "decode_attention_kernel_matches" 2>&1 | tee "$OUT/cuda-tests-attn-wide.log" | tail -2
+    timeout 200 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --n 1 8 --rows --out "$OUT" \
+      --tag gemma4-attention 2>&1 | tail -6
+    for side in after before; do DECODE_N="1 8" stage_decode gemma4-26b-a4b $side; done ;;
   nf4-block)  # the block tiles (1-64 rows of x): STEPS of tests (the extension built, the block
     # tiles' and the plans' GPU tests), launches (every launch at 16 and 64 rows of x against the
     # Triton plan's), decode (4-bit Gemma-3 4B at DECODE_N, default 16 and 64, this tree then BEFORE)
