@@ -99,7 +99,7 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
                 q, ks, vs, rows, pos, scale=scale, k_new=k_new, v_new=v_new, store_slot=store_slot, out=out,
                 **kw, **cfg) for ks, vs in stores]
 
-        current = da.launch_for(layout == "paged", n, Hkv, D)
+        current = da.launch_for(layout == "paged", n, Hkv, D, dtype.itemsize)
         splits = current["splits"]
         split_options = sorted({1, max(1, splits // 4), max(1, splits // 2), splits, min(64, splits * 2)})
         cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options]

@@ -261,23 +261,26 @@ if triton is not None:
                 tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
 
 
-def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256) -> dict:
-    """The partial kernel's launch for `batch` rows of `kv_heads` K/V heads of `head_dim`: splits
-    (at most), keys per iteration, warps, stages. Measured on an H200 with `python -m
-    bench.tune_kernels` (Gemma-3 1B and 4B shapes, rows of ~1,238 tokens, 1 to 256 rows; Gemma 4
-    26B-A4B's exact layers, two heads of 512, at 1 and 8 rows; docs/performance.md has the tables):
-    within 6% of the best launch found per case, against up to 2x slower for one launch everywhere.
+def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256, itemsize: int = 2) -> dict:
+    """The partial kernel's launch for `batch` rows of `kv_heads` K/V heads of `head_dim` values of
+    `itemsize` bytes: splits (at most), keys per iteration, warps, stages. Measured on an H200 with
+    `python -m bench.tune_kernels` (Gemma-3 1B and 4B shapes, rows of ~1,238 tokens, 1 to 256 rows;
+    Gemma 4 26B-A4B's exact layers, two heads of 512, at 1 and 8 rows; docs/performance.md has the
+    tables): within 6% of the best launch found per case, against up to 2x slower for one launch
+    everywhere.
       ring   few programs: 16-key blocks, one split per block (a ring is only a few blocks);
              many: one 32-key program per (row, head), three stages
       paged  about 512 programs in all; 32-key blocks; two warps once there are many. Few
-             programs of heads of 512 or more (measured at 1 and 8 rows): half the programs and
-             splits (each split's partial output is twice as wide), eight warps, two stages"""
+             programs of 16-bit heads of 512 or more (measured at 1 and 8 rows): half the programs
+             and splits (each split's partial output is twice as wide), eight warps, two stages;
+             float32 heads keep the rule above (two stages of their tiles would take twice the
+             shared memory, and the launch was timed in bf16 only)"""
     programs = batch * kv_heads
     if not paged:
         if programs < 128:
             return dict(splits=64, block=16, warps=4, stages=2)
         return dict(splits=1, block=32, warps=4, stages=3)
-    wide = head_dim >= 512 and programs < 32
+    wide = head_dim >= 512 and itemsize <= 2 and programs < 32
     splits = 1
     while programs * splits < (256 if wide else 512) and splits < (32 if wide else 64):
         splits *= 2
@@ -309,7 +312,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     hkv = k_store.shape[1]
     G = H // hkv
     paged = block_table is not None
-    launch = launch_for(paged, B, hkv, D)
+    launch = launch_for(paged, B, hkv, D, k_store.element_size())
     splits, block = splits or launch["splits"], block or launch["block"]
     warps, stages = warps or launch["warps"], stages or launch["stages"]
     sink, window = (0, 0) if paged else ring
