@@ -13,6 +13,9 @@ differences say where the time goes; the fastest tile launches also with the wei
 prefetching 128 bytes per row into L2 (MODE 3, the product), with copies that read whole
 32-byte sectors (MODE 4, the product), and with each ring stage copied from one contiguous span,
 as a weight laid out tile by tile would be read (MODE 5: the loads of that layout, not a product).
+At 33-64 rows of x the fastest three block tile launches are timed again without the lookups
+(MODE 1: the mma on the raw words) and without the mma (MODE 6: integer stand-ins on the looked-up
+codes), so that the differences say which phase sets the block tiles' pace.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
@@ -112,6 +115,12 @@ def main() -> None:
                 if launch[0] == tile and n_out % tile == 0:
                     r["tile_layout_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=5) for w in ws],
                                                 len(ws))
+            if m > 32:  # the block tiles' measurement variants: without the lookups, without the mma
+                for r in [r for r in results if r["rows_per_warp"] == nf4_cuda.BLOCK_ROWS][:3]:
+                    launch = r["launch"]
+                    for mode, key in ((1, "no_lookups_us"), (6, "no_mma_us")):
+                        r[key] = timed(lambda mode=mode: [nf4_cuda.gemv(x, w, launch, sms, mode=mode) for w in ws],
+                                       len(ws))
             best = results[0] if results else None
             floor_us = nbytes / bw * 1e6
             planned = min((r for r in plan if r >= m), default=None)
@@ -120,6 +129,9 @@ def main() -> None:
                              "cuda": results})
 
             def desc(r):
+                if r.get("no_mma_us") is not None:
+                    return (f"{r['launch']}; without the lookups {r['no_lookups_us']:.1f} / "
+                            f"without the mma {r['no_mma_us']:.1f}")
                 if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"
                 l2 = f"; with the L2 prefetch {r['l2_prefetch_us']:.1f}" if r.get("l2_prefetch_us") else ""

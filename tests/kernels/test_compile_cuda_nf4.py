@@ -116,7 +116,7 @@ def test_the_block_tiles_multiply_each_looked_up_weight_by_every_row_of_x(built,
     every row of x. No global load, no spills or local memory."""
     log, sass = built
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass)
-                if re.match(rf"\s*\.text\.\S*nf4_block_tiles_kernelILi{nb}E", p))
+                if re.match(rf"\s*\.text\.\S*nf4_block_tiles_kernelILi{nb}ELi0E", p))
     loops = [c for c in _loops(part) if c["HMMA.16816"]]
     assert len(loops) == 1, loops
     inner = loops[0]
@@ -129,6 +129,35 @@ def test_the_block_tiles_multiply_each_looked_up_weight_by_every_row_of_x(built,
     # per block of 8 rows of x: 8 mma, 8 multiply-adds of the group's absmax, 2 reads; the rest (the
     # 64 lookup instructions, the tiles' reads, the copies, the loop) is shared by every row of x
     assert sum(inner.values()) <= 176 + 18 * nb, sum(inner.values())
+
+
+@pytest.mark.parametrize("mode", [1, 6])
+def test_the_block_tiles_measurement_modes_leave_out_one_phase(built, mode):
+    """The block tiles' measurement variants at 33-64 rows of x (`bench.nf4_cuda` times them beside
+    the product): MODE 1's K loop keeps the product's copies, reads and mma and drops the lookups
+    (no permutes, 32 fewer shared-memory loads); MODE 6's keeps the copies, reads and lookups and
+    drops the mma, each replaced by two integer ops (plus two per A fragment), so that it issues
+    about as much as the product."""
+    log, sass = built
+
+    def loop(variant):
+        part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass)
+                    if re.match(rf"\s*\.text\.\S*nf4_block_tiles_kernelILi8ELi{variant}E", p))
+        loops = [c for c in _loops(part) if c["LDGDEPBAR"]]
+        assert len(loops) == 1, loops
+        return loops[0]
+
+    product, variant = loop(0), loop(mode)
+    for op in ("LDS.128", "LDS.64", "LDGSTS.E", "LDGDEPBAR", "BAR.SYNC", "DEPBAR.LE", "FFMA"):
+        assert variant[op] == product[op], (op, variant, product)
+    if mode == 1:
+        assert variant["HMMA.16816"] == product["HMMA.16816"] == 64 and variant["PRMT"] == 0, variant
+        assert variant["LDS"] == product["LDS"] - 32, (variant, product)
+    else:
+        assert variant["HMMA.16816"] == 0 and variant["PRMT"] == product["PRMT"] == 32, variant
+        assert variant["LDS"] == product["LDS"], (variant, product)
+        assert variant["LOP3.LUT"] <= product["LOP3.LUT"] + 2 * 64 + 2 * 8, (variant, product)
+    assert not any(op.startswith(("LDL", "STL")) for op in variant)
 
 
 def test_the_tiles_variant_with_l2_prefetch_differs_from_the_product_only_in_its_copies(built):

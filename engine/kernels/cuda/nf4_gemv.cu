@@ -868,9 +868,21 @@ constexpr int block_smem(int warps, int nb) {
   return static_cast<int>(most);
 }
 
-template <int NB>
+// MODE 6 of the block tiles (a measurement, not the product): each mma replaced by two integer ops
+// on its A fragment folded into one word (`a`, two ops per fragment) and its B fragment, so that the
+// copies, the reads and the lookups stay and the tensor pipe idles
+__device__ __forceinline__ void mma_stand_in(float (&c)[4], uint32_t a, uint32_t b0, uint32_t b1) {
+  c[0] = __uint_as_float(__float_as_uint(c[0]) ^ a ^ b0);
+  c[1] = __uint_as_float(__float_as_uint(c[1]) ^ a ^ b1);
+}
+
+// MODE 0 is the product; MODE 1 (the loads and the mma on the raw words, no lookups) and MODE 6
+// (the loads and the lookups, no mma) are measurements of what sets its pace, built for 8 blocks
+// of x rows (33-64 rows) only
+template <int NB, int MODE = 0>
 __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const DenseOperands p,
                                                                                    const float* __restrict__ code) {
+  static_assert(MODE == 0 || MODE == 1 || MODE == 6, "the product, or the block tiles' measurement variants");
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = build_table(smem_words, base, code);
@@ -943,7 +955,7 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
       ts[mt].b = *reinterpret_cast<const uint2*>(stage + (ra + 8) * 32 + 8 * t);
       ts[mt].sa = reinterpret_cast<const float*>(stage + scales_off)[ra];
       ts[mt].sb = reinterpret_cast<const float*>(stage + scales_off)[ra + 8];
-      group_codes<0>(ts[mt], lane_addr, f[mt]);
+      group_codes<MODE == 1 ? 1 : 0>(ts[mt], lane_addr, f[mt]);
     }
     constexpr int NC = NB < 4 ? NB : 4;  // blocks of x rows multiplied at once
 #pragma unroll
@@ -964,7 +976,11 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
           const uint32_t b0 = (s & 1) ? xs.z : xs.x, b1 = (s & 1) ? xs.w : xs.y;
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
-            mma_bf16(c[mt][j], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], b0, b1);
+            if (MODE == 6) {
+              mma_stand_in(c[mt][j], f[mt][s][0] ^ f[mt][s][1] ^ f[mt][s][2] ^ f[mt][s][3], b0, b1);
+            } else {
+              mma_bf16(c[mt][j], f[mt][s][0], f[mt][s][1], f[mt][s][2], f[mt][s][3], b0, b1);
+            }
           }
         }
       }
@@ -1033,6 +1049,8 @@ template __global__ void nf4_gemv_table_kernel<5>(const DenseTiles, const float*
 template __global__ void nf4_block_tiles_kernel<2>(const DenseOperands, const float*);
 template __global__ void nf4_block_tiles_kernel<4>(const DenseOperands, const float*);
 template __global__ void nf4_block_tiles_kernel<8>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8, 1>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8, 6>(const DenseOperands, const float*);
 #undef KERNEL_ARGS
 #endif
 }  // namespace
@@ -1153,7 +1171,8 @@ int64_t spread_slices(int64_t units, int length, int64_t resident, int overhead)
 // 32 weight rows a warp and K slice (the grid is row blocks x split), `split` 0 for the slices
 // whose waves over `blocks` blocks end soonest. `mode` 0: the product; 1 and 2 the measurement variants
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
-// copies that read whole sectors. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
+// copies that read whole sectors; for the block tiles at 33-64 rows, 1 without the lookups and 6
+// without the mma. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
               bool pdl) {
@@ -1182,8 +1201,10 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   };
   float* part = nullptr;
   if (rows == BLOCK_WARP_ROWS) {
-    TORCH_CHECK(mode == 0 && m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0,
-                "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more, the product alone");
+    TORCH_CHECK(m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0 &&
+                    (mode == 0 || ((mode == 1 || mode == 6) && m > 32)),
+                "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more; the product, or the "
+                "measurement modes 1 and 6 at 33-64 rows");
     const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
     // the blocks over `blocks` (one per SM), the ring's filling counted as BLOCK_STAGES - 1 groups
     if (split <= 0) split = spread_slices(row_blocks, groups, blocks, BLOCK_STAGES - 1);
@@ -1192,7 +1213,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     part = partials(split);
     const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
-    auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4> : nf4_block_tiles_kernel<8>;
+    auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4>
+                  : mode == 1 ? nf4_block_tiles_kernel<8, 1> : mode == 6 ? nf4_block_tiles_kernel<8, 6>
+                  : nf4_block_tiles_kernel<8>;
     static const std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> smem_for = [] {  // by warps and NB
       std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> t{};
       for (int w : {4, BLOCK_MAX_WARPS}) for (int b : {2, 4, 8}) t[w][b] = block_smem(w, b);
