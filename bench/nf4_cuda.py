@@ -129,9 +129,10 @@ def main() -> None:
                              "cuda": results})
 
             def desc(r):
-                if r.get("no_mma_us") is not None:
-                    return (f"{r['launch']}; without the lookups {r['no_lookups_us']:.1f} / "
-                            f"without the mma {r['no_mma_us']:.1f}")
+                if "no_mma_us" in r:  # the block tiles' variants (None where a capture failed)
+                    parts = [f"without the {what} {r[key]:.1f}" for what, key in
+                             (("lookups", "no_lookups_us"), ("mma", "no_mma_us")) if r.get(key) is not None]
+                    return "; ".join([f"{r['launch']}"] + parts)
                 if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"
                 l2 = f"; with the L2 prefetch {r['l2_prefetch_us']:.1f}" if r.get("l2_prefetch_us") else ""

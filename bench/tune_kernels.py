@@ -14,8 +14,8 @@ where there is one, and the best candidate, each in us and in GB/s of bytes that
 beside the measured copy bandwidth. JSON goes to bench/results.
 
     python -m bench.tune_kernels [--shape gemma3-4b gemma3-1b] [--n 1 8 64 256] [--rows 1 2 4 8] [--quick]
-    python -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n   # the MoE kernels
-    python -m bench.tune_kernels --shape gemma4-26b-a4b --n 1 8             # its attention
+    python -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8   # the MoE kernels
+    python -m bench.tune_kernels --shape gemma4-26b-a4b --n 1 8         # its attention
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
             store_slot = table[rows, pos // page].long() * page + pos % page
         out = torch.empty_like(q)
 
-        def make(cfg, stores=stores, q=q, k_new=k_new, v_new=v_new, kw=kw, store_slot=store_slot, out=out):
+        def make(cfg, stores=stores, q=q, k_new=k_new, v_new=v_new, kw=kw, store_slot=store_slot, out=out,
+                 scale=scale):
             return [lambda ks=ks, vs=vs: da.decode_attention(
                 q, ks, vs, rows, pos, scale=scale, k_new=k_new, v_new=v_new, store_slot=store_slot, out=out,
                 **kw, **cfg) for ks, vs in stores]
@@ -200,7 +201,8 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["gemma3-4b", "gemma3-1b"], choices=sorted(SHAPES))
-    ap.add_argument("--n", type=int, nargs="*", default=[1, 8, 64, 256], help="none: no attention")
+    ap.add_argument("--n", type=int, nargs="*", default=None,
+                    help="none: no attention (default 1 8 64 256, or none for an MoE shape with --experts)")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="none: no projections")
     ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
     ap.add_argument("--page", type=int, default=16)
@@ -230,6 +232,7 @@ def main() -> None:
         for name in a.shape:
             shape = SHAPES[name]
             moe_shape = "num_experts" in shape
+            attention_n = a.n if a.n is not None else ([] if moe_shape and a.experts else [1, 8, 64, 256])
             if moe_shape and a.experts:
                 if not cuda:
                     print(f"{name}: the experts kernels need CUDA")
@@ -247,10 +250,10 @@ def main() -> None:
                                                        current=current, current_us=cur, best=best, best_us=best_us,
                                                        top=[dict(us=t, launch=k) for t, k in timed[:6]]))
                 out.write_text(json.dumps({**meta, **results}, indent=1))
-            if a.n:
+            if attention_n:
                 print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
                 print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
-            for n in a.n:
+            for n in attention_n:
                 for layout, nbytes, current, cands, make in attention_cases(shape, n, a.page, a.sink, a.window,
                                                                               dtype, dev, a.quick):
                     cur = graph_us(make(current))

@@ -271,21 +271,23 @@ def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256, item
       ring   few programs: 16-key blocks, one split per block (a ring is only a few blocks);
              many: one 32-key program per (row, head), three stages
       paged  about 512 programs in all; 32-key blocks; two warps once there are many. Few
-             programs of 16-bit heads of 512 or more (measured at 1 and 8 rows): half the programs
-             and splits (each split's partial output is twice as wide), eight warps, two stages;
-             float32 heads keep the rule above (two stages of their tiles would take twice the
-             shared memory, and the launch was timed in bf16 only)"""
+             programs (under 32) of 16-bit heads of 512 or more: half the programs and splits
+             (each split's partial output is twice as wide) and eight warps, with 64-key blocks
+             in one stage under 16 programs, else 32-key blocks in two (the best launches found
+             at 1 and 8 rows of Gemma 4's exact layers); more programs, and float32 heads, keep
+             the rule for heads of 256, not timed at 512"""
     programs = batch * kv_heads
     if not paged:
         if programs < 128:
             return dict(splits=64, block=16, warps=4, stages=2)
         return dict(splits=1, block=32, warps=4, stages=3)
-    wide = head_dim >= 512 and itemsize <= 2 and programs < 32
+    wide = head_dim >= 512 and itemsize == 2 and programs < 32
     splits = 1
     while programs * splits < (256 if wide else 512) and splits < (32 if wide else 64):
         splits *= 2
     if wide:
-        return dict(splits=splits, block=32, warps=8, stages=2)
+        return dict(splits=splits, block=64, warps=8, stages=1) if programs < 16 else \
+            dict(splits=splits, block=32, warps=8, stages=2)
     if programs < 32:
         return dict(splits=splits, block=32, warps=4, stages=1)
     return dict(splits=splits, block=32, warps=2, stages=2)

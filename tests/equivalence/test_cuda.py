@@ -111,8 +111,10 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
     ks = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     vs = torch.randn(n, hkv, D, device="cuda", dtype=dtype, generator=gen)
     ref = reference(q, ks, vs, rows, pos, **kw).double()
-    blocks = (16, 32) if layout == "paged-wide" else (16, 32, 64)  # 64 keys of 512 in float32: past shared memory
-    launches = [{}] + [dict(splits=s, block=b) for s in (1, 8, 64) for b in blocks]  # {}: launch_for's
+    wide32 = layout == "paged-wide" and dtype == torch.float32  # 64 keys of 512 in float32: past shared memory
+    launches = [{}] + [dict(splits=s, block=b) for s in (1, 8, 64) for b in ((16, 32) if wide32 else (16, 32, 64))]
+    if layout == "paged-wide" and dtype == torch.bfloat16:  # launch_for's two launches for few programs
+        launches += [dict(splits=32, block=64, warps=8, stages=1), dict(splits=16, block=32, warps=8, stages=2)]
     for launch in launches:
         out = decode_attention(q, ks, vs, rows, pos, **launch, **kw).double()
         err = ((out - ref).norm() / ref.norm()).item()
@@ -123,13 +125,16 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
 def check_decode_attention_store(layout: str, dtype, launch: dict | None = None) -> tuple[float, float]:
     """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
     it; a ring also keeps what it overwrote in `evicted`) against the reference: (output rel
-    err, max |store or evicted diff|)."""
+    err, max |store or evicted diff|). paged-wide: 16 query heads over two K/V heads of 512, as
+    Gemma 4's exact layers."""
     from engine.kernels.decode_attention import decode_attention, reference
     from engine.kv.policy import ring_slot
 
     device = "cuda"
     gen = torch.Generator(device=device).manual_seed(5)
     B, H, hkv, D, page, num_rows, max_blocks = 9, 8, 2, 64, 16, 12, 20
+    if layout == "paged-wide":
+        H, D = 16, 512
     rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
     pos = torch.randint(0, page * max_blocks - 1, (B,), device=device, generator=gen)
     pos[0], pos[1] = 0, 3
@@ -168,7 +173,7 @@ def check_decode_attention_store(layout: str, dtype, launch: dict | None = None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["paged", "paged-window", "ring"])
+@pytest.mark.parametrize("layout", ["paged", "paged-window", "paged-wide", "ring"])
 @pytest.mark.parametrize("launch", [{}, dict(splits=1, block=32), dict(splits=64, block=16)],
                          ids=["default", "one-split", "merged"])
 def test_decode_attention_kernel_stores_the_new_token(layout, dtype, launch):
