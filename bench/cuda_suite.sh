@@ -44,7 +44,7 @@ stage_launches() {  # SIDE: every launch at 1 and 8 rows
 }
 stage_experts() {  # SIDE: the 26B-A4B experts' two stages at 1 and 8 tokens
   local out; out=$(cd "$OUT" && pwd)
-  (stage_side "$1" && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n --nf4 --rows \
+  (stage_side "$1" && timeout 120 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows \
     --out "$out/$1" --tag stage-$1-experts 2>&1 | tee "$out/tune-stage-$1.log" | tail -7)
 }
 stage_decode() {  # SHAPE SIDE: 4-bit decode at N=1 and 8 (DECODE_N)
@@ -68,7 +68,7 @@ case "${2:-}" in
     # launches at 1 and 8 tokens, then the MoE shape in bnb-4bit (linears and experts in NF4)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
       tests/equivalence/test_cuda.py -k "experts or gemma4" 2>&1 | tee "$OUT/cuda-tests-nf4-experts.log" | grep -v "^\.$"
-    timeout 150 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n --nf4 --out "$OUT" --tag moe-nf4 \
+    timeout 150 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --out "$OUT" --tag moe-nf4 \
       2>&1 | tee "$OUT/tune-moe-nf4.log"
     timeout 400 python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --weights bnb-4bit --n 1 8 \
       --no-quality --out "$OUT" --tag nf4-experts 2>&1 | tee "$OUT/throughput-moe-nf4.log" ;;
@@ -124,7 +124,7 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
       | tee "$OUT/cuda-tests-nf4-tiles.log" | grep -v "^\.$" | tail -16
     timeout 330 python3 -m bench.nf4_cuda --shape gemma3-4b --rows 1 8 --out "$OUT" 2>&1 \
       | tee "$OUT/nf4-cuda-tiles.log" | grep -v disagrees
-    timeout 300 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n --nf4 --rows --out "$OUT" \
+    timeout 300 python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --nf4 --rows --out "$OUT" \
       --tag nf4-tiles-experts 2>&1 | tail -12 ;;
   nf4-stream)  # the tiles' weights streamed through each warp's ring of asynchronous copies: Nsight
     # Compute on Gemma-3 4B's gate/up at one row (the product, and without the weight loads), then
@@ -299,7 +299,7 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
   moe)  # the Gemma 4 kernels and forward against their references, then the MoE shape, fused and stock
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py -k "gemma4" -s 2>&1 \
       | tee "$OUT/cuda-tests-gemma4.log" | grep -v "^\.$"
-    python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --n --out "$OUT" --tag moe 2>&1 | tee "$OUT/tune-moe.log"
+    python3 -m bench.tune_kernels --shape gemma4-26b-a4b --experts 1 8 --out "$OUT" --tag moe 2>&1 | tee "$OUT/tune-moe.log"
     python3 -m bench.throughput --shape gemma4-26b-a4b --dtype bfloat16 --n 1 8 --layers fused stock --out "$OUT" ;;
   serve|serve-4b)  # through the HTTP front end (bench/serve.py) against the engine alone, same run;
     # TOKENIZER (a directory with the embedded model's tokenizer.json) makes the server detokenize;

@@ -45,7 +45,7 @@ LAUNCHES = ([(rows, warps, split, 0) for rows in (1, 2, 4, 8) for warps in (2, 4
             + [(rows, warps, split, per_sm) for rows in (1, 2, 4) for warps in (4, 8) for split in (1, 2)
                for per_sm in (2, 4, 8)]
             + [(16, warps, split, 1) for warps in (8, 12, 16) for split in (0, 1, 2, 3, 4, 8, 16)]
-            + [(32, warps, split, 1) for warps in (4, 8) for split in (0, 1, 2, 3, 4, 6)])
+            + [(32, warps, split, 1) for warps in nf4_cuda.BLOCK_WARPS for split in (0, 1, 2, 3, 4, 6)])
 
 
 @torch.no_grad()

@@ -6,17 +6,17 @@ kernels on a model's own weights at 1-64 rows, and keeps one only where it is fa
 with the library's product.
 
 A launch is `(rows, warps, split, blocks_per_sm)`: weight rows per warp, warps per block, K split
-(float32 partials summed in a fixed order), and 0 for one warp per row group or the number of
-blocks per SM of persistent warps that keep their next step's loads in flight (for the tiles the
-blocks their items spread over, for the block tiles the blocks their automatic split counts on). Rows 1-8 multiply
-on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores, each byte's
-two codes looked up at once from a table in shared memory, the weights streamed to each warp
-through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
-work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows
-at the cost of one); rows 32 is a block of 4 or 8 warps of 32 weight rows each, walking K together
-through one ring that holds x's rows beside the weights, for 1-64 rows of x (the block tiles). It
-takes bf16 rows of x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned
-(`fits`: one row, for tiles up to 8, for block tiles up to 64).
+(float32 partials summed in a fixed order), and 0 for one warp per row group or the number of blocks
+per SM of persistent warps that keep their next step's loads in flight (for the tiles the blocks
+their items spread over, for the block tiles the blocks their automatic split counts on). Rows 1-8
+multiply on FMAs with a shuffle per code; rows 16 is a tile of 16 rows per warp on tensor cores,
+each byte's two codes looked up at once from a table in shared memory, the weights streamed to each
+warp through a ring of asynchronous copies (one block per SM; split 0: the K slices that spread the
+work over the warps best; x's rows are the mma's columns, so a tile takes 1-8 rows at the cost of
+one); rows 32 is a block of 4 or 8 warps of 32 weight rows each, walking K together through one ring
+that holds x's rows beside the weights, for 1-64 rows of x (the block tiles). It takes bf16 rows of
+x whose 16-byte chunks are aligned, and the weight's rows 16-byte aligned (`fits`: one row, for
+tiles up to 8, for block tiles up to 64).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ TILE_ROWS = 16  # a launch's rows for the tensor-core tiles
 MAX_TILE_X_ROWS = 8  # and they take up to this many rows of x (the mma's columns)
 BLOCK_ROWS = 32  # a launch's rows for the block tiles
 MAX_X_ROWS = 64  # and they take up to this many rows of x
+BLOCK_WARPS = (4, 8)  # the block tiles' warps per block
 # block tile launches: 8 or 4 warps, one block per SM, K split to spread the blocks (0) or as given
 BLOCK_LAUNCHES = ((32, 8, 0, 1), (32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1), (32, 4, 1, 1))
 
@@ -129,7 +130,7 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
     if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
     if launch is not None and launch[0] == BLOCK_ROWS:
-        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in (4, 8) or launch[3] < 1
+        if (not 1 <= x.shape[0] <= MAX_X_ROWS or x.stride(0) % 8 or launch[1] not in BLOCK_WARPS or launch[3] < 1
                 or not blocks_supported(x.device.index, launch[1])):
             return False
     elif launch is not None and launch[0] == TILE_ROWS:

@@ -833,9 +833,9 @@ __global__ void __launch_bounds__(512, 1) nf4_expert_down_kernel(const ExpertDow
 // the columns as the tiles' do (lane t of a row's four: bytes 8t .. 8t + 7), so its B fragments
 // are 32 bytes of its x row at column 16t. Each group's products are summed in float32 and scaled
 // by its absmax after them; the products of up to four blocks of x rows go at once, k step by k
-// step, so that a warp has eight independent mma in flight (four for 16 rows of x). Rows of x past M repeat row M - 1 and
-// weight rows past N repeat the last; neither is stored. The weights' first copies are issued
-// before the PDL wait, x's after it.
+// step, so that a warp has eight independent mma in flight (four for 16 rows of x). Rows of x past
+// M repeat row M - 1 and weight rows past N repeat the last; neither is stored. The weights' first
+// copies are issued before the PDL wait, x's after it.
 constexpr int BLOCK_STAGES = 8;
 constexpr int BLOCK_WARP_ROWS = 32;
 constexpr int BLOCK_MAX_WARPS = 8;
