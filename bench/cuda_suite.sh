@@ -169,12 +169,21 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     stage_decode gemma4-26b-a4b after
     if [ $SECONDS -gt $(( ${STAGE_BUDGET:-1000} - 180 )) ]; then echo "no time left for BEFORE"
     else stage_decode gemma4-26b-a4b before; fi ;;
-  attn-wide)  # decode attention with heads of 512 (Gemma 4's exact layers): the kernels against the
-    # reference on their default launches, with and without the store, then 4-bit decode of the
-    # 26B-A4B shape at N=1 and 8 (stage_decode's default), this tree then BEFORE, same machine
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py \
-      -k "decode_attention and paged-wide" 2>&1 | tee "$OUT/cuda-tests-attn-wide.log" | tail -2
-    for side in after before; do stage_decode gemma4-26b-a4b $side; done ;;
+  attn-wide)  # decode attention with heads of 512 (Gemma 4's exact layers) and the 26B-A4B step: STEPS
+    # of tests (the attention kernels against the reference on their default launches, with and
+    # without the store; the Gemma 4 engine's greedy tokens on NF4 against bitsandbytes), decode
+    # (4-bit decode of the 26B-A4B shape at N=1 and 8, stage_decode's default, this tree then
+    # BEFORE, same machine)
+    for step in ${STEPS:-tests decode}; do
+      case $step in
+        tests)
+          timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_cuda.py \
+            -k "decode_attention and paged-wide" 2>&1 | tee "$OUT/cuda-tests-attn-wide.log" | tail -2
+          stage_tests cuda-tests-gemma4-nf4 "greedy_tokens and gemma4" 200 ;;
+        decode)
+          for side in after before; do stage_decode gemma4-26b-a4b $side; done ;;
+      esac
+    done ;;
   nf4-block)  # the block tiles (1-64 rows of x): STEPS of tests (the extension built, the block
     # tiles' and the plans' GPU tests), launches (every launch at 16 and 64 rows of x against the
     # Triton plan's), decode (4-bit Gemma-3 4B at DECODE_N, default 16 and 64, this tree then BEFORE)

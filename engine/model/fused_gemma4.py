@@ -18,12 +18,12 @@ layer this forward runs:
 Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts module (its
 grouped products have whole tiles of tokens per expert there). Models with per-layer input
 embeddings or layers that share another layer's K/V keep the stock forward (`unsupported` says
-why). bitsandbytes 4-bit models run their projections and routers on the NF4 kernels
-(kernels/nf4.py, as in fused_forward.py) and their experts, which the loader quantizes to NF4
-as well (nf4_experts.py: bitsandbytes quantizes `nn.Linear` modules only), on the NF4 experts
-kernels (kernels/nf4_moe.py), or, at the token counts where `nf4_plan.plan_experts` timed them
-faster and found them exact, on the CUDA kernel's tensor-core tiles; prefill chunks run that
-module's grouped products.
+why). bitsandbytes 4-bit models run their projections on the NF4 kernels (kernels/nf4.py, as in
+fused_forward.py), their routers on a dequantized copy (`_experts` says why), and their experts,
+which the loader quantizes to NF4 as well (nf4_experts.py: bitsandbytes quantizes `nn.Linear`
+modules only), on the NF4 experts kernels (kernels/nf4_moe.py), or, at the token counts where
+`nf4_plan.plan_experts` timed them faster and found them exact, on the CUDA kernel's tensor-core
+tiles; prefill chunks run that module's grouped products.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsu
                                         project, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
-from engine.kernels import moe, nf4_moe
+from engine.kernels import moe, nf4, nf4_moe
 from engine.kernels.nf4 import NF4Weight
 from engine.kernels.nf4_plan import expert_tiles_for, plan_experts
 from engine.model.nf4_experts import NF4Experts
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Experts:
-    router: torch.Tensor  # [E, hidden]
+    router: torch.Tensor  # [E, hidden] in the compute dtype (NF4 routers dequantized)
     router_in: torch.Tensor  # [hidden] float32: the router's input scale times hidden ** -0.5
     per_expert_scale: torch.Tensor  # [E]
     gate_up: torch.Tensor | NF4Weight  # [E, 2 I, hidden]; NF4: rows [E * 2 I, hidden]
@@ -145,8 +145,14 @@ def _experts(layer) -> _Experts | None:
     else:
         gate_up, down, kernels, reference = (ex.gate_up_proj.detach(), ex.down_proj.detach(), moe.experts,
                                              moe.experts_ref)
+    # A router of NF4 weights gets a copy in the compute dtype, made once here: its 128-odd
+    # outputs are too few rows for the NF4 kernels to read at bandwidth, and the copy is what
+    # bitsandbytes' own dequantize gives (nf4.dequantize), so its product is the reference's
+    router = r.proj.weight
+    if isinstance(router, NF4Weight):
+        router = nf4.dequantize(router)
     return _Experts(
-        router=r.proj.weight, router_in=(r.scale.detach().float() * float(r.scalar_root_size)).contiguous(),
+        router=router, router_in=(r.scale.detach().float() * float(r.scalar_root_size)).contiguous(),
         per_expert_scale=r.per_expert_scale.detach(), gate_up=gate_up, down=down,
         top_k=int(r.config.top_k_experts), pre_norm=layer.pre_feedforward_layernorm_2.weight,
         post_norm=layer.post_feedforward_layernorm_2.weight, post_mlp=layer.post_feedforward_layernorm_1.weight,

@@ -92,3 +92,34 @@ def test_engine_on_nf4_experts_equals_the_stock_module_on_their_values(fused):
         outs.append(converse(engine, turns)[0])
         engine.check_invariants()
     assert outs[0] == outs[1] and all(len(tokens) > 0 for session in outs[0] for tokens in session)
+
+
+def test_nf4_router_runs_on_the_copy_bitsandbytes_dequantizes():
+    """A router on NF4 weights: the fused forward holds its weight in the compute dtype, equal to
+    bitsandbytes' dequantize_4bit of the packed router, and the engine on it gives the same greedy
+    tokens as the stock layers on the NF4 router."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    from engine.model.nf4_linear import NF4Linear
+
+    def model():
+        m, want = tiny_gemma4(3, moe_intermediate_size=64), []
+        for layer in m.model.layers:
+            p = bnb.nn.Params4bit(layer.router.proj.weight.data.clone(), requires_grad=False,
+                                  quant_type="nf4").to("cpu")
+            layer.router.proj = NF4Linear(nf4.from_bnb(p))
+            want.append(dequantize_4bit(p.data, p.quant_state))
+        return m, want
+
+    m, want = model()
+    fused = fused_gemma4.FusedGemma4(m)
+    for L, w in zip(fused.layers, want):
+        assert type(L.experts.router) is torch.Tensor and torch.equal(L.experts.router, w)
+    turns = plan(5, sessions=3, turns=2)
+    outs = []
+    for f in (True, False):
+        engine = Engine(EngineConfig(**BASE, max_rows=4, fused_layers=f), LoadedModel(model()[0], None, "tiny"))
+        assert (engine.runner.fused is not None) == f
+        outs.append(converse(engine, turns)[0])
+        engine.check_invariants()
+    assert outs[0] == outs[1] and all(len(tokens) > 0 for session in outs[0] for tokens in session)
