@@ -14,8 +14,9 @@ prefetching 128 bytes per row into L2 (MODE 3, the product), with copies that re
 32-byte sectors (MODE 4, the product), and with each ring stage copied from one contiguous span,
 as a weight laid out tile by tile would be read (MODE 5: the loads of that layout, not a product).
 At 33-64 rows of x the fastest three block tile launches are timed again without the lookups
-(MODE 1: the mma on the raw words) and without the mma (MODE 6: integer stand-ins on the looked-up
-codes), so that the differences say which phase sets the block tiles' pace.
+(MODE 1: the mma on the raw words), without the mma (MODE 6: integer stand-ins on the looked-up
+codes), without x's copies past the ring's first groups (MODE 2) and without the weights' (MODE 3),
+so that the differences say which phase sets the block tiles' pace.
 
     python -m bench.nf4_cuda [--shape gemma3-4b] [--rows 1 8] [--out bench/results]
     python -m bench.nf4_cuda --profile 16,12,1,1 16,12,1,1:2   # for a profiler: these launches only
@@ -118,7 +119,8 @@ def main() -> None:
             if m > 32:  # the block tiles' measurement variants: without the lookups, without the mma
                 for r in [r for r in results if r["rows_per_warp"] == nf4_cuda.BLOCK_ROWS][:3]:
                     launch = r["launch"]
-                    for mode, key in ((1, "no_lookups_us"), (6, "no_mma_us")):
+                    for mode, key in ((1, "no_lookups_us"), (6, "no_mma_us"), (2, "no_x_copies_us"),
+                                      (3, "no_weight_copies_us")):
                         r[key] = timed(lambda mode=mode: [nf4_cuda.gemv(x, w, launch, sms, mode=mode) for w in ws],
                                        len(ws))
             best = results[0] if results else None
@@ -131,7 +133,8 @@ def main() -> None:
             def desc(r):
                 if "no_mma_us" in r:  # the block tiles' variants (None where a capture failed)
                     parts = [f"without the {what} {r[key]:.1f}" for what, key in
-                             (("lookups", "no_lookups_us"), ("mma", "no_mma_us")) if r.get(key) is not None]
+                             (("lookups", "no_lookups_us"), ("mma", "no_mma_us"), ("x copies", "no_x_copies_us"),
+                              ("weight copies", "no_weight_copies_us")) if r.get(key) is not None]
                     return "; ".join([f"{r['launch']}"] + parts)
                 if r.get("loads_only_us") is None or r.get("lookups_only_us") is None:
                     return f"{r['launch']}"

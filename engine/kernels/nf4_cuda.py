@@ -149,7 +149,8 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
     measurement variants, not the product, 3 and 4 the tiles' product with L2 prefetching and with copies
     that read whole 32-byte sectors, 5 the tiles' copies from a tile-contiguous layout, a measurement;
-    for the block tiles at 33-64 rows of x, 1 without the lookups and 6 without the mma)."""
+    for the block tiles at 33-64 rows of x, 1 without the lookups, 6 without the mma, 2 and 3
+    without x's and without the weights' copies past the ring's first groups)."""
     rows, warps, split, per_sm = launch
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     # the launcher allocates the float32 partials of a K split (it settles the split), so y stands

@@ -250,9 +250,11 @@ def test_nf4_cuda_block_tiles_match_bitsandbytes_dequantize_and_matmul():
         odd = torch.randn(40, k + 1, device="cuda").to(torch.bfloat16)[:, 1:]  # rows 2 bytes off 16
         assert not nf4_cuda.fits(odd, w, plan[64]["cuda"])
         assert rel(nf4.linear(odd, w, plan), F.linear(odd, dense)) < 1.5e-2  # the Triton kernel instead
-        # the measurement variants (bench.nf4_cuda): launched at 33-64 rows only, never the product
-        for mode in ((1, 6) if nf4_cuda.fits(x, w, nf4_cuda.BLOCK_LAUNCHES[0]) else ()):
-            assert not torch.equal(nf4_cuda.gemv(x, w, nf4_cuda.BLOCK_LAUNCHES[0], sms, mode=mode), outs[1])
+        # the measurement variants (bench.nf4_cuda): launched at 33-64 rows only; 1 and 6 never the
+        # product (2 and 3 are where K fits the ring's first groups)
+        for mode in ((1, 2, 3, 6) if nf4_cuda.fits(x, w, nf4_cuda.BLOCK_LAUNCHES[0]) else ()):
+            got = nf4_cuda.gemv(x, w, nf4_cuda.BLOCK_LAUNCHES[0], sms, mode=mode)
+            assert got.shape == outs[1].shape and (mode in (2, 3) or not torch.equal(got, outs[1]))
             with pytest.raises(RuntimeError, match="measurement modes"):
                 nf4_cuda.gemv(x[:32], w, nf4_cuda.BLOCK_LAUNCHES[0], sms, mode=mode)
     assert runs >= len(shapes) * 10 * 3, runs  # the 8-warp blocks and more ran on every shape

@@ -131,13 +131,14 @@ def test_the_block_tiles_multiply_each_looked_up_weight_by_every_row_of_x(built,
     assert sum(inner.values()) <= 176 + 18 * nb, sum(inner.values())
 
 
-@pytest.mark.parametrize("mode", [1, 6])
+@pytest.mark.parametrize("mode", [1, 2, 3, 6])
 def test_the_block_tiles_measurement_modes_leave_out_one_phase(built, mode):
     """The block tiles' measurement variants at 33-64 rows of x (`bench.nf4_cuda` times them beside
     the product): MODE 1's K loop keeps the product's copies, reads and mma and drops the lookups
-    (no permutes, 32 fewer shared-memory loads); MODE 6's keeps the copies, reads and lookups and
-    drops the mma, each replaced by two integer ops (plus two per A fragment), so that it issues
-    about as much as the product."""
+    (no permutes, 32 fewer shared-memory loads); MODE 2's drops x's copies (the loop of them inside
+    the K loop) and MODE 3's the weights' and absmax' three, each keeping the rest of the product;
+    MODE 6's keeps the copies, reads and lookups and drops the mma, each replaced by two integer ops
+    (plus two per A fragment), so that it issues about as much as the product."""
     log, sass = built
 
     def loop(variant):
@@ -148,11 +149,17 @@ def test_the_block_tiles_measurement_modes_leave_out_one_phase(built, mode):
         return loops[0]
 
     product, variant = loop(0), loop(mode)
-    for op in ("LDS.128", "LDS.64", "LDGSTS.E", "LDGDEPBAR", "BAR.SYNC", "DEPBAR.LE", "FFMA"):
+    for op in ("LDS.128", "LDS.64", "LDGDEPBAR", "BAR.SYNC", "DEPBAR.LE", "FFMA"):
         assert variant[op] == product[op], (op, variant, product)
+    copies = {1: 4, 2: 3, 3: 1, 6: 4}[mode]  # the product's: two of weights, one of absmax, x's loop
+    assert product["LDGSTS.E"] == 4 and variant["LDGSTS.E"] == copies, (variant, product)
+    if mode in (1, 2, 3):
+        assert variant["HMMA.16816"] == product["HMMA.16816"] == 64, variant
     if mode == 1:
-        assert variant["HMMA.16816"] == product["HMMA.16816"] == 64 and variant["PRMT"] == 0, variant
-        assert variant["LDS"] == product["LDS"] - 32, (variant, product)
+        assert variant["PRMT"] == 0 and variant["LDS"] == product["LDS"] - 32, (variant, product)
+    elif mode in (2, 3):
+        # every lookup and the absmax' reads (the scheduler may lift a few reads past the loop's label)
+        assert variant["PRMT"] == product["PRMT"] == 32 and variant["LDS"] >= 32 + 4, (variant, product)
     else:
         assert variant["HMMA.16816"] == 0 and variant["PRMT"] == product["PRMT"] == 32, variant
         assert variant["LDS"] == product["LDS"], (variant, product)

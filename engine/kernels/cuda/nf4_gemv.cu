@@ -876,13 +876,15 @@ __device__ __forceinline__ void mma_stand_in(float (&c)[4], uint32_t a, uint32_t
   c[1] = __uint_as_float(__float_as_uint(c[1]) ^ a ^ b1);
 }
 
-// MODE 0 is the product; MODE 1 (the loads and the mma on the raw words, no lookups) and MODE 6
-// (the loads and the lookups, no mma) are measurements of what sets its pace, built for 8 blocks
-// of x rows (33-64 rows) only
+// MODE 0 is the product; MODE 1 (the loads and the mma on the raw words, no lookups), MODE 2 (x's
+// rows copied for the ring's first groups only, later groups reading what those left), MODE 3 (the
+// same for the weights and their absmax) and MODE 6 (the loads and the lookups, no mma) are
+// measurements of what sets its pace, built for 8 blocks of x rows (33-64 rows) only
 template <int NB, int MODE = 0>
 __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kernel(const DenseOperands p,
                                                                                    const float* __restrict__ code) {
-  static_assert(MODE == 0 || MODE == 1 || MODE == 6, "the product, or the block tiles' measurement variants");
+  static_assert(MODE == 0 || MODE == 1 || MODE == 2 || MODE == 3 || MODE == 6,
+                "the product, or the block tiles' measurement variants");
   extern __shared__ __align__(16) uint32_t smem_words[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_words);
   const uint32_t table_addr = build_table(smem_words, base, code);
@@ -941,8 +943,8 @@ __global__ void __launch_bounds__(BLOCK_MAX_WARPS * 32, 1) nf4_block_tiles_kerne
     const int g_next = g_lo + i + BLOCK_STAGES - 1;
     if (g_next < g_hi) {
       const uint32_t fill = base + ring.at((i + BLOCK_STAGES - 1) % BLOCK_STAGES);
-      copy_weights(g_next, fill);
-      copy_x(g_next, fill);
+      if (MODE != 3) copy_weights(g_next, fill);
+      if (MODE != 2) copy_x(g_next, fill);
     }
     commit_copies();
     const uint8_t* stage = smem_bytes + ring.at(i % BLOCK_STAGES);
@@ -1050,6 +1052,8 @@ template __global__ void nf4_block_tiles_kernel<2>(const DenseOperands, const fl
 template __global__ void nf4_block_tiles_kernel<4>(const DenseOperands, const float*);
 template __global__ void nf4_block_tiles_kernel<8>(const DenseOperands, const float*);
 template __global__ void nf4_block_tiles_kernel<8, 1>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8, 2>(const DenseOperands, const float*);
+template __global__ void nf4_block_tiles_kernel<8, 3>(const DenseOperands, const float*);
 template __global__ void nf4_block_tiles_kernel<8, 6>(const DenseOperands, const float*);
 #undef KERNEL_ARGS
 #endif
@@ -1202,9 +1206,9 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
   float* part = nullptr;
   if (rows == BLOCK_WARP_ROWS) {
     TORCH_CHECK(m >= 1 && m <= 64 && (warps == 4 || warps == BLOCK_MAX_WARPS) && blocks > 0 &&
-                    (mode == 0 || ((mode == 1 || mode == 6) && m > 32)),
+                    (mode == 0 || ((mode == 1 || mode == 2 || mode == 3 || mode == 6) && m > 32)),
                 "block tiles: 1-64 rows of x, 4 or 8 warps, one block per SM or more; the product, or the "
-                "measurement modes 1 and 6 at 33-64 rows");
+                "measurement modes 1, 2, 3 and 6 at 33-64 rows");
     const int groups = k / 64, bn = static_cast<int>(warps) * BLOCK_WARP_ROWS, row_blocks = (n + bn - 1) / bn;
     // the blocks over `blocks` (one per SM), the ring's filling counted as BLOCK_STAGES - 1 groups
     if (split <= 0) split = spread_slices(row_blocks, groups, blocks, BLOCK_STAGES - 1);
@@ -1214,7 +1218,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4>
-                  : mode == 1 ? nf4_block_tiles_kernel<8, 1> : mode == 6 ? nf4_block_tiles_kernel<8, 6>
+                  : mode == 1 ? nf4_block_tiles_kernel<8, 1> : mode == 2 ? nf4_block_tiles_kernel<8, 2>
+                  : mode == 3 ? nf4_block_tiles_kernel<8, 3> : mode == 6 ? nf4_block_tiles_kernel<8, 6>
                   : nf4_block_tiles_kernel<8>;
     static const std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> smem_for = [] {  // by warps and NB
       std::array<std::array<int, 9>, BLOCK_MAX_WARPS + 1> t{};
