@@ -116,7 +116,7 @@ def main() -> None:
                 if launch[0] == tile and n_out % tile == 0:
                     r["tile_layout_us"] = timed(lambda: [nf4_cuda.gemv(x, w, launch, sms, mode=5) for w in ws],
                                                 len(ws))
-            if m > 32:  # the block tiles' measurement variants: without the lookups, without the mma
+            if m > 32:  # the block tiles' measurement variants: each without one phase or one copy stream
                 for r in [r for r in results if r["rows_per_warp"] == nf4_cuda.BLOCK_ROWS][:3]:
                     launch = r["launch"]
                     for mode, key in ((1, "no_lookups_us"), (6, "no_mma_us"), (2, "no_x_copies_us"),
