@@ -136,10 +136,10 @@ def alive(pid: int) -> bool:
     """Whether process `pid` still runs (a zombie is gone, only not yet reaped)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # reaping may remove it after the signal check
+            return f.read().split(") ")[-1][0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def engine_alone(config, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
