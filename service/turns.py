@@ -261,6 +261,11 @@ class Turn:
         self._last_arrival: float | None = None
         state.active.add(self.request_id)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the text reached a stop string (what was shown ends before it)."""
+        return self._stopped
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         m = self.state.metrics
         async for d in self.stream:

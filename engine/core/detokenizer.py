@@ -93,6 +93,14 @@ class IncrementalDetokenizer:
         return out
 
 
+def kept_output(tokenizer, ids: list[int], text: str) -> tuple[list[int], list[int]]:
+    """What a session keeps of a reply `ids` that a stop string ended, whose emitted text is
+    `text`: the tokens wholly within the text, and the tokens of the text after them (the start
+    of the token the stop string cut, encoded anew; empty where the cut fell between tokens)."""
+    k, rest = visible_prefix(tokenizer, ids, text)
+    return ids[:k], tokenizer.encode(rest, add_special_tokens=False) if rest else []
+
+
 def visible_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, str]:
     """For a completion `ids` that a stop string ended, and `text`, what was emitted for it (the
     stop string and what came after it dropped): how many of the tokens lie wholly within the text,

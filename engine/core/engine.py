@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.config import EngineConfig
-from engine.core.detokenizer import visible_prefix
+from engine.core.detokenizer import kept_output
 from engine.core.ahead import AheadSteps
 from engine.core.requests import LiveRequest, RequestPlanner
 from engine.core.responses import ResponseStore
@@ -482,10 +482,8 @@ class Engine:
         out = live.output_ids
         if live.detok is None or not live.detok.stopped:
             return out, [], True
-        tokenizer = self.planner.tokenizer
-        k, rest = visible_prefix(tokenizer, out, live.detok.text)
-        pending = tokenizer.encode(rest, add_special_tokens=False) if rest else []
-        return out[:k], pending, k >= len(out) - 1
+        kept, pending = kept_output(self.planner.tokenizer, out, live.detok.text)
+        return kept, pending, len(kept) >= len(out) - 1
 
     def _roll_back(self, live: LiveRequest, session: Session) -> None:
         """A session's row back to where its last completed turn left it (a row taken for this turn

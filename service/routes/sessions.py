@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine import FinishReason
+from engine.core.detokenizer import kept_output
 from service import chat, sse, structured
 from service import logprobs as logprobs_format
 from service.auth import tenant
@@ -88,7 +89,8 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         raise
     headers = {"X-Request-Id": turn.request_id}
 
-    async def final(out) -> dict:
+    async def final(out, sampled: list[int]) -> dict:
+        """The done event; `sampled`: the turn's sampled tokens."""
         first = turn.stream.first_arrived  # the prefill's end
         prefill_s = first - turn.started if first is not None else None
         done = {
@@ -101,6 +103,9 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             "total_seconds": time.monotonic() - turn.started,
             **({"error": out.error} if out.error else {}),
         }
+        if turn.stopped:  # the session keeps the text before the stop string, not every sampled token
+            kept, pending = kept_output(st.tokenizer, sampled, turn.detok.text)
+            done["kept_token_ids"] = kept + pending
         if append and out.finish_reason == FinishReason.LENGTH:
             done["appended_tokens"] = len(ids)
             done.update(await _held(st, session_id, owner))
@@ -111,17 +116,19 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         extra = {"logprobs": logprobs_format.session(ids_out, lps)} if params.logprobs is not None else {}
         if last is None:
             return JSONResponse({"text": text, "token_ids": ids_out, **extra, "type": "done", "finish_reason": "abort"})
-        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last)}, headers=headers)
+        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last, ids_out)}, headers=headers)
 
     async def events():
+        sampled: list[int] = []
         async for out in turn.chunks():
+            sampled += out.token_ids
             if out.token_ids and out.finish_reason != FinishReason.ERROR:
                 event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
                 if out.logprobs is not None:
                     event["logprobs"] = logprobs_format.session(out.token_ids, out.logprobs)
                 yield sse.event(event)
             if out.finished:
-                yield sse.event(await final(out))
+                yield sse.event(await final(out, sampled))
         yield sse.DONE
 
     return sse.response(events(), turn, headers)

@@ -26,15 +26,16 @@ def session_turn(server, sid, stream=False, **body) -> dict:
         r = httpx.post(f"{server.url}/v1/sessions/{sid}/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
-    text, done = "", None
+    text, ids, done = "", [], None
     with httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/generate", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 ev = json.loads(line[6:])
-                text += ev.get("text", "") if ev["type"] == "token" else ""
+                if ev["type"] == "token":
+                    text, ids = text + ev["text"], ids + ev["token_ids"]
                 done = ev if ev["type"] == "done" else done
-    return {"text": text, **done}
+    return {"text": text, "token_ids": ids, **done}
 
 
 def completion(server, prompt, max_tokens) -> str:
@@ -129,3 +130,29 @@ def test_append_messages_streamed_then_ask(server):
     assert asked["cached_tokens"] == appended["kv_tokens"]
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_turn_a_stop_string_ended_names_the_tokens_the_session_keeps(server, stream):
+    """`token_ids` are the sampled tokens, the one that completed the stop string among them; the
+    done event's `kept_token_ids` are what the session keeps of them: the text the client got,
+    whether the stop string began at a token's start or inside one (that token's visible part
+    encoded anew). A turn no stop string ended has no `kept_token_ids`: it keeps what it sampled."""
+    tok = server.state.tokenizer
+    prompt = "The three primary colors are"
+    free = session_turn(server, new_session(server), stream=stream, input=prompt, max_tokens=12)
+    assert "kept_token_ids" not in free
+    ids, text = free["token_ids"], free["text"]
+    starts = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids) + 1)]
+    j = next(i for i in range(1, len(ids) - 2) if len(text[starts[i]:starts[i + 1]].strip()) >= 3
+             and text[starts[i]:starts[i + 1]].isascii())
+    whole, inside = text[starts[j]:starts[j + 1]], text[starts[j] + 2:starts[j] + 3]
+    for stop, at in ((whole, starts[j]), (inside, starts[j] + 2)):
+        assert text.find(stop) == at, (text, stop)
+        sid = new_session(server)
+        got = session_turn(server, sid, stream=stream, input=prompt, max_tokens=12, stop=[stop])
+        assert got["text"] == text[:at] and got["finish_reason"] == "stop"
+        assert got["token_ids"] == ids[: j + 1] and got["completion_tokens"] == j + 1
+        held = history(server, sid)[len(tok(prompt)["input_ids"]):]
+        assert got["kept_token_ids"] == held and tok.decode(held, skip_special_tokens=True) == text[:at]
+        assert (held == ids[:j]) == (stop == whole)  # a cut inside token j keeps its start, encoded anew
