@@ -213,13 +213,9 @@ async def engine_call(coro):
 
 
 async def open_session(st, owner: str | None) -> str:
-    """A new session of `owner` (within the per-key limit), its id; a refusal is counted."""
+    """A new session of `owner` (within the per-key limit), its id."""
     limit = st.settings.max_sessions_per_key if owner is not None else None
-    try:
-        return await engine_call(st.engine.create_session(owner, limit))
-    except APIError as err:
-        st.metrics.rejections.labels(err.code).inc()
-        raise
+    return await engine_call(st.engine.create_session(owner, limit))
 
 
 @dataclass
@@ -344,11 +340,7 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
     started = time.monotonic()
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)
-    try:
-        streams = await engine_call(engine.generate_all(request))
-    except APIError as err:
-        m.rejections.labels(err.code).inc()
-        raise
+    streams = await engine_call(engine.generate_all(request))
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
                  else None, len(prompt_ids), started, fork=i > 0, stop_token_ids=params.stop_token_ids)

@@ -129,6 +129,8 @@ PARAMS = [
 @pytest.mark.slow
 def test_validation_matrix(server):
     sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    codes = {code for *_, code in MATRIX}
+    counted = {code: server.metric("s5_rejections_total", f'code="{code}"') for code in codes}
     failures = []
     for name, method, path, body, status, code in MATRIX:
         if isinstance(body, dict) and body.get("session_id") == "{sid}":
@@ -145,6 +147,9 @@ def test_validation_matrix(server):
             failures.append((name, getattr(r, "status_code", None), getattr(r, "text", repr(r))[:200]))
     print(f"\nvalidation matrix: {len(MATRIX)} bad requests, {len(failures)} wrong")
     assert not failures, failures
+    # each answered error is counted under its code
+    assert {code: server.metric("s5_rejections_total", f'code="{code}"') - counted[code] for code in codes} == \
+        {code: sum(c == code for *_, c in MATRIX) for code in codes}
     assert httpx.get(f"{server.url}/health").status_code == 200
     server.wait_idle()
     server.check_invariants()
