@@ -14,6 +14,7 @@ from engine.core.types import EngineError
 STATUS = {
     "session_not_found": 404,
     "session_busy": 409,
+    "session_incompatible": 409,
     "session_evicted": 410,
     "duplicate_request_id": 409,
     "queue_full": 429,
@@ -43,7 +44,9 @@ def valid_text(text: str, param: str) -> str:
 
 def from_engine(err: EngineError) -> APIError:
     status = STATUS.get(err.code, 400)
-    return APIError(status, err.message, err.code, err.param, {"Retry-After": "1"} if status == 429 else None)
+    # a retry soon finds room in a queue; a key's sessions are freed only by deletes and expiry
+    retry = status == 429 and err.code != "too_many_sessions"
+    return APIError(status, err.message, err.code, err.param, {"Retry-After": "1"} if retry else None)
 
 
 def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:

@@ -194,6 +194,11 @@ class SessionDB:
                                      (self.fingerprint,)).fetchone()
         return [StoredSession(*r) for r in rows], others
 
+    def stored_elsewhere(self, session_id: str) -> tuple[str | None, str] | None:
+        """(owner, fingerprint) of a session the file holds under another fingerprint, or None."""
+        return self._db.execute("SELECT owner, fingerprint FROM sessions WHERE id = ? AND fingerprint != ?",
+                                (session_id, self.fingerprint)).fetchone()
+
     def history(self, session_id: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(tokens, forwards) of a stored session, turn records in order."""
         tokens: list[int] = []
@@ -368,6 +373,12 @@ class PostgresSessionDB:
                 "SELECT id, owner, created, last_used, num_tokens, num_turns, version FROM s5_sessions "
                 "WHERE id = %s AND fingerprint = %s", (session_id, self.fingerprint)).fetchone()
         return SharedSession(*row) if row is not None else None
+
+    def stored_elsewhere(self, session_id: str) -> tuple[str | None, str] | None:
+        """(owner, fingerprint) of a session stored under another fingerprint, or None."""
+        with self._errors():
+            return self._db.execute("SELECT owner, fingerprint FROM s5_sessions WHERE id = %s AND fingerprint != %s",
+                                    (session_id, self.fingerprint)).fetchone()
 
     def stale(self, session_id: str, version: int) -> bool:
         """Whether `version` is not the one this process last read or wrote."""

@@ -114,8 +114,11 @@ class SessionTable:
         stored, others = self.db.load()
         for st in stored:
             self._adopt(st)
-        log.info("session store %s: %d sessions loaded%s", self.db.path, len(stored),
-                 f", {others} stored under another model or KV policy left as they are" if others else "")
+        log.info("session store %s: %d sessions loaded", self.db.path, len(stored))
+        if others:
+            log.warning("session store %s: %d sessions stored under another model or KV policy are left as they "
+                        "are (they answer session_incompatible here; a server started with their settings "
+                        "serves them)", self.db.path, others)
 
     def _adopt(self, st: StoredSession) -> None:
         """A stored session enters the table; its history is read on its first turn."""
@@ -197,8 +200,27 @@ class SessionTable:
             raise EngineError(f"session {session_id} was evicted ({self.evicted[session_id]})",
                               code="session_evicted", param="session_id")
         if s is None:
+            self._check_stored_elsewhere(session_id, owner)
             raise EngineError(f"session {session_id} not found", code="session_not_found", param="session_id")
         return s
+
+    def _check_stored_elsewhere(self, session_id: str, owner: str | None) -> None:
+        """`session_incompatible` for a session of `owner` that the store holds under another
+        model or KV policy (a server started with those settings serves it), naming the settings
+        that differ."""
+        if self.db is None:
+            return
+        try:
+            found = self.db.stored_elsewhere(session_id)
+        except STORE_ERRORS:
+            return
+        if found is None or found[0] != owner:
+            return
+        theirs, ours = json.loads(found[1]), json.loads(self.db.fingerprint)
+        differ = ", ".join(f"{k} {theirs.get(k)} (this server: {ours.get(k)})"
+                           for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k))
+        raise EngineError(f"session {session_id} was stored under other settings: {differ}; a server started "
+                          f"with them serves it", code="session_incompatible", param="session_id")
 
     def history(self, s: Session) -> list[int]:
         if s.tokens is None:  # first use since the server started: read the transcript

@@ -5,7 +5,7 @@ that turn's logits equal those of a session that never left."""
 
 import pytest
 
-from engine import Engine, EngineConfig, Request
+from engine import Engine, EngineConfig, EngineError, Request
 from tests.helpers import greedy, tiny_loaded
 from tests.scenarios import Recorder, converse, max_logit_diff, owner_of, plan
 
@@ -104,6 +104,19 @@ def test_sessions_survive_a_restart(session_store):
     again.close()
     other = Engine(EngineConfig(**{**BASE, "kv_window": 6}, max_rows=8, session_db=db), tiny_loaded(0))
     assert len(other.sessions) == 0
+    # there a session answers its owner that it was kept under other settings, and names them;
+    # to another owner it is missing, as any other owner's session is
+    with pytest.raises(EngineError, match=r"kv_window 5 \(this server: 6\)") as err:
+        other.session_info(sids[2], owner=owner_of(again, sids[2]))
+    assert err.value.code == "session_incompatible"
+    for sid, owner in ((sids[2], "someone else"), ("0" * 32, owner_of(again, sids[2]))):
+        with pytest.raises(EngineError) as err:
+            other.session_info(sid, owner=owner)
+        assert err.value.code == "session_not_found"
+    other.close()
+    back = Engine(EngineConfig(**BASE, max_rows=8, session_db=db), tiny_loaded(0))  # left as they were
+    assert set(back.sessions) == set(sids[1:])
+    back.close()
 
 
 def test_a_failing_session_store_fails_neither_the_turn_nor_the_engine(session_store):
