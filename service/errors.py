@@ -84,24 +84,27 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}", ".".join(loc)
 
 
-def refused(app, status: int, code: str) -> None:
-    """Count an error answer in `s5_rejections{code}`: every one but a 500, a failure of work the
-    server took on."""
-    if status != 500:
-        app.state.s5.metrics.rejections.labels(code).inc()
+def refused(scope, status: int, code: str) -> None:
+    """Count a request's error answer in `s5_rejections{code}`, once (a body over the limit gets
+    its 413 while the app, whose read fails, makes another answer that is dropped): every one
+    but a 500, a failure of work the server took on."""
+    if status == 500 or scope.get("s5.refused"):
+        return
+    scope["s5.refused"] = True
+    scope["app"].state.s5.metrics.rejections.labels(code).inc()
 
 
 def install(app) -> None:
     """The error answers, each an envelope, each counted (`refused`)."""
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        refused(request.app, exc.status, exc.code)
+        refused(request.scope, exc.status, exc.code)
         return JSONResponse(envelope(exc.status, exc.message, exc.code, exc.param), exc.status, headers=exc.headers)
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):
         e = from_engine(exc)
-        refused(request.app, e.status, e.code)
+        refused(request.scope, e.status, e.code)
         return JSONResponse(envelope(e.status, e.message, e.code, e.param), e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -110,7 +113,7 @@ def install(app) -> None:
         kind = request.headers.get("content-type", "")
         if param is None and kind and not _is_json(kind):  # a body never parsed: say why
             msg = f"the request body must be JSON sent with Content-Type: application/json (this one: {kind})"
-        refused(request.app, 400, "invalid_request")
+        refused(request.scope, 400, "invalid_request")
         return JSONResponse(envelope(400, msg, "invalid_request", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -125,7 +128,7 @@ def install(app) -> None:
             allowed = ", ".join(_methods_of(request))
             headers = {**{k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}, "Allow": allowed}
             msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
-        refused(request.app, status, code)
+        refused(request.scope, status, code)
         return JSONResponse(envelope(status, msg, code), status, headers=headers)
 
 
@@ -186,7 +189,7 @@ class BodyLimit:
             pass
 
     async def _reject(self, scope, send):
-        refused(scope["app"], 413, "body_too_large")
+        refused(scope, 413, "body_too_large")
         body = JSONResponse(envelope(413, f"request body over {self.max_bytes} bytes", "body_too_large"), 413)
         await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
         await send({"type": "http.response.body", "body": body.body})

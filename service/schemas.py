@@ -211,9 +211,9 @@ class ErrorEnvelope(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorEnvelope, "description": why}
     for status, why in [(400, "invalid request"), (401, "missing or invalid API key"),
-                        (404, "unknown model, session or request"), (409, "the session has a turn in flight"),
+                        (404, "unknown model, session or request"), (409, "the session has a turn in flight, or was stored under other model or KV settings"),
                         (410, "the session was evicted"), (413, "request body too large"),
-                        (429, "queue or token budget full (see Retry-After)"),
+                        (429, "queue or token budget full (see Retry-After), or the key's sessions at their limit"),
                         (503, "loading, draining, or the engine is dead")]
 }
 # generation routes answer JSON, or server-sent events when `stream` is true

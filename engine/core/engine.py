@@ -141,10 +141,13 @@ class Engine:
         return self.sessions.create(session_id, owner, max_per_owner)
 
     def close_session(self, session_id: str, owner: str | None = None) -> bool:
-        """Ends the session (aborting a turn in flight) and frees its row. Idempotent: False when
+        """Ends the session (aborting a turn in flight) and frees its row; one of this owner's
+        that the store holds under other settings is deleted from it. Idempotent: False when
         there is no such session of this owner."""
         s = self.sessions.find(session_id)
-        if s is None or s.owner != owner:
+        if s is None:
+            return self.sessions.delete_stored_elsewhere(session_id, owner)
+        if s.owner != owner:
             return False
         self._end_session(s)
         return True

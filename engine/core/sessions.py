@@ -204,23 +204,40 @@ class SessionTable:
             raise EngineError(f"session {session_id} not found", code="session_not_found", param="session_id")
         return s
 
-    def _check_stored_elsewhere(self, session_id: str, owner: str | None) -> None:
-        """`session_incompatible` for a session of `owner` that the store holds under another
-        model or KV policy (a server started with those settings serves it), naming the settings
-        that differ."""
+    def _stored_elsewhere(self, session_id: str, owner: str | None) -> str | None:
+        """For a session of `owner` that the store holds under another model or KV policy (a
+        server started with those settings serves it), the settings that differ; else None."""
         if self.db is None:
-            return
+            return None
         try:
             found = self.db.stored_elsewhere(session_id)
         except STORE_ERRORS:
-            return
+            return None
         if found is None or found[0] != owner:
-            return
+            return None
         theirs, ours = json.loads(found[1]), json.loads(self.db.fingerprint)
         differ = ", ".join(f"{k} {theirs.get(k)} (this server: {ours.get(k)})"
                            for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k))
-        raise EngineError(f"session {session_id} was stored under other settings: {differ}; a server started "
-                          f"with them serves it", code="session_incompatible", param="session_id")
+        return differ or None
+
+    def _check_stored_elsewhere(self, session_id: str, owner: str | None) -> None:
+        """`session_incompatible`, naming the settings, for a session stored under others."""
+        differ = self._stored_elsewhere(session_id, owner)
+        if differ is not None:
+            raise EngineError(f"session {session_id} was stored under other settings: {differ}; a server started "
+                              f"with them serves it", code="session_incompatible", param="session_id")
+
+    def delete_stored_elsewhere(self, session_id: str, owner: str | None) -> bool:
+        """Delete a session of `owner` stored under other settings from the store (its owner
+        asked); whether there was one."""
+        if self._stored_elsewhere(session_id, owner) is None:
+            return False
+        try:
+            self.db.delete(session_id)
+        except STORE_ERRORS as exc:
+            self.stats["session_db_errors"] += 1
+            raise EngineError(f"the session store failed: {exc}", code="session_store_unavailable") from exc
+        return True
 
     def history(self, s: Session) -> list[int]:
         if s.tokens is None:  # first use since the server started: read the transcript

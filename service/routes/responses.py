@@ -60,7 +60,8 @@ async def _in_place(st, prev: dict, messages: list[dict], owner: str | None) -> 
         history_len, tail = await engine_call(st.engine.call("session_tail", prev["session_id"], chat.TAIL_TOKENS,
                                                              owner))
     except APIError as err:
-        if err.code in ("session_not_found", "session_evicted"):  # expired: rebuilt from the records
+        # expired, or kept under other model or KV settings: rebuilt from the records
+        if err.code in ("session_not_found", "session_evicted", "session_incompatible"):
             return None
         raise
     if history_len != prev["history_len"]:  # a branch: the session moved on past this response

@@ -439,9 +439,13 @@ def test_a_streamed_body_over_the_limit_gets_413_and_a_form_body_is_named(tiny):
         for i in range(0, len(body), 1 << 16):
             yield body[i:i + (1 << 16)]
 
+    counts = {code: tiny.metric("s5_rejections_total", f'code="{code}"') for code in ("body_too_large", "invalid_request")}
     r = httpx.post(f"{tiny.url}/v1/completions", content=chunked(), headers={**A, "content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    # counted once, as the answer the client got
+    assert {code: tiny.metric("s5_rejections_total", f'code="{code}"') - n for code, n in counts.items()} == \
+        {"body_too_large": 1, "invalid_request": 0}
     form = {**A, "content-type": "application/x-www-form-urlencoded"}
     r = httpx.post(f"{tiny.url}/v1/completions", content=b'{"prompt": [5], "max_tokens": 1}', headers=form)
     err = r.json()["error"]
@@ -485,5 +489,19 @@ def test_a_session_stored_under_other_kv_settings_answers_409_naming_them(tmp_pa
     srv = serve(5)
     try:
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["history_tokens"] == held
+        gone = httpx.post(f"{srv.url}/v1/sessions").json()["id"]
+        httpx.post(f"{srv.url}/v1/sessions/{gone}/generate", json={"input": [5], "max_tokens": 1})
+    finally:
+        srv.stop()
+    srv = serve(6)  # its owner may delete it from there
+    try:
+        assert httpx.delete(f"{srv.url}/v1/sessions/{gone}").json()["deleted"] is True
+        assert httpx.delete(f"{srv.url}/v1/sessions/{gone}").json()["deleted"] is False
+    finally:
+        srv.stop()
+    srv = serve(5)
+    try:
+        assert httpx.get(f"{srv.url}/v1/sessions/{gone}").status_code == 404
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").status_code == 200
     finally:
         srv.stop()

@@ -305,3 +305,31 @@ def test_input_items_list_an_assistant_message_as_an_output_part(server):
     assert (part.type, part.text, part.annotations) == ("output_text", FEW_SHOT[1]["content"], [])
     assert [p.type for i in (items[0], items[2]) for p in i.content] == ["input_text", "input_text"]
     client.responses.delete(made.id)
+
+
+def test_a_response_continued_on_a_server_with_other_kv_settings_is_rebuilt(tmp_path):
+    """Stored responses outlive a restart with another window: their session is kept under the
+    old settings, so the continuation is rebuilt from the stored conversation, in a new session,
+    and answers as /v1/chat/completions does there for the whole conversation."""
+    from engine import EngineConfig
+    from service.settings import Settings
+    from tests.servers import LiveServer, free_port
+
+    def serve(window: int) -> LiveServer:
+        return LiveServer(Settings(engine=EngineConfig(model="embedded", max_rows=4, kv_cache_bytes=64 << 20,
+                                                       kv_window=window, session_db=str(tmp_path / "s.sqlite3")),
+                                   port=free_port())).start()
+
+    srv = serve(64)
+    try:
+        first = sdk(srv).responses.create(input=FEW_SHOT + FRANCE, **GREEDY)
+    finally:
+        srv.stop()
+    srv = serve(32)
+    try:
+        germany = {"role": "user", "content": "And of Germany?"}
+        second = sdk(srv).responses.create(input=[germany], previous_response_id=first.id, **GREEDY)
+        assert second.output_text == chat_text(srv, FEW_SHOT + FRANCE + [reply(first), germany])
+        assert second.usage.input_tokens_details.cached_tokens == 0  # rebuilt, in a new session
+    finally:
+        srv.stop()
