@@ -28,8 +28,39 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", "invalid_request", param)
 
 
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("items", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMAS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object schema that lists its `properties`, and says nothing of
+    others, taking only those (`additionalProperties: false`), as OpenAI's strict mode and
+    vLLM's default backend read a schema: otherwise a model free to add properties writes on
+    until max_tokens. A schema that allows others says so (`additionalProperties: true`)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if k in out:
+            out[k] = closed_objects(out[k])
+    for k in _SUBSCHEMAS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(s) for s in out[k]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(s) for name, s in out[k].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: Any, param: str) -> str:
-    """An llguidance grammar for JSON that follows `schema` (a dict, or its JSON text)."""
+    """An llguidance grammar for JSON that follows `schema` (a dict, or its JSON text; its
+    objects closed, `closed_objects`)."""
     from llguidance import LLMatcher
 
     if isinstance(schema, str):
@@ -40,7 +71,7 @@ def json_grammar(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise _bad(param, "the schema must be a JSON object")
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise _bad(param, str(exc)) from exc
 

@@ -34,13 +34,13 @@ from typing import Any
 
 from service.errors import APIError, valid_text
 from service.schemas import Message
-from service.structured import JSON_OPTIONS, json_grammar
+from service.structured import JSON_OPTIONS, closed_objects, json_grammar
 
 # a function's name, as OpenAI takes it
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 PARAM = "tools"
-ANY_ARGS = {"type": "object"}
+NO_ARGS = {"type": "object", "properties": {}}  # a function without `parameters` takes none, as OpenAI reads it
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -64,7 +64,7 @@ class ToolSetup:
         """The JSON schema of a call this setup allows."""
         fns = [f for f in self.functions if self.name is None or f["name"] == self.name]
         alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                  "arguments": f.get("parameters") or ANY_ARGS},
+                                                  "arguments": closed_objects(f.get("parameters") or NO_ARGS)},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
         return alts[0] if len(alts) == 1 else {"anyOf": alts}
 

@@ -227,3 +227,23 @@ def test_a_required_call_cut_short_by_max_tokens_is_still_a_call(server):
                     streamed += tc["function"].get("arguments", "")
                 finish = c["finish_reason"] or finish
     assert (name, streamed, finish) == ("get_weather", args, "length")
+
+
+def test_objects_take_only_their_listed_properties_and_a_function_without_parameters_none(server):
+    """A schema that lists its properties and says nothing of others gets exactly those (a small
+    model otherwise adds properties until max_tokens); a function sent without `parameters` is
+    called with `{}`."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "A city as JSON."}], "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": schema}}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert list(json.loads(choice["message"]["content"])) == ["city"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Ping the server."}], "max_tokens": 30, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "ping"}}], "tool_choice": "required"})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == \
+        [("ping", "{}")]

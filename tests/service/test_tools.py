@@ -2,6 +2,7 @@
 tools, calls and results is rendered (through a template that takes tools, or the preamble), the
 choices' checks, and how a streamed reply is split into text and a call."""
 
+import functools
 import json
 
 import pytest
@@ -34,6 +35,21 @@ TOOLS_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tok(embedded_dir):
     return AutoTokenizer.from_pretrained(str(embedded_dir))
+
+
+@functools.cache
+def _byte_tokenizers():
+    import llguidance.hf
+
+    tok = byte_tokenizer()
+    return tok, llguidance.hf.from_tokenizer(tok, n_vocab=512, eos_token=1)
+
+
+def accepts(grammar: str, text: str) -> bool:
+    """Whether a real matcher takes `text` under `grammar`, token by token, and may end there."""
+    tok, lltok = _byte_tokenizers()
+    m = LLMatcher(lltok, grammar)
+    return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
 
 def _body(**kw) -> ChatCompletionRequest:
@@ -133,16 +149,6 @@ def test_parallel_calls_are_one_per_line_and_only_where_allowed():
     """With `parallel_tool_calls: true` the grammar takes several calls, one per line, and the
     reply parses as that many calls, streamed or not; left out or false it takes exactly one, as
     a named choice does. The grammars are run on a real matcher, token by token."""
-    import llguidance.hf
-    from llguidance import LLMatcher
-
-    tok = byte_tokenizer()
-    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=512, eos_token=1)
-
-    def accepts(grammar: str, text: str) -> bool:
-        m = LLMatcher(lltok, grammar)
-        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
-
     one_call = call_text("get_weather", {"city": "Oslo"})
     two_calls = one_call + "\n" + call_text("get_time", {"zone": "CET"})
     for choice in ("auto", "required"):
@@ -169,3 +175,31 @@ def test_parallel_calls_are_one_per_line_and_only_where_allowed():
     with pytest.raises(APIError) as err:
         setup_of(_body(tools=[WEATHER], parallel_tool_calls="yes"))
     assert err.value.status == 400 and err.value.param == "parallel_tool_calls"
+
+
+def test_object_schemas_that_list_their_properties_take_only_those():
+    """At every depth (properties, items, anyOf, $defs), an object schema with `properties` and
+    nothing said of others gets `additionalProperties: false`; one that says, or lists none,
+    keeps its meaning; a property named like a keyword stays a property."""
+    from service.structured import closed_objects
+
+    leaf = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"type": "object",
+              "properties": {"a": leaf, "properties": {"type": "string"},
+                             "list": {"type": "array", "items": leaf},
+                             "either": {"anyOf": [leaf, {"type": "null"}]},
+                             "open": {**leaf, "additionalProperties": True}, "any": {"type": "object"}},
+              "$defs": {"d": leaf}}
+    closed = {**leaf, "additionalProperties": False}
+    assert closed_objects(schema) == {
+        "type": "object", "additionalProperties": False,
+        "properties": {"a": closed, "properties": {"type": "string"}, "list": {"type": "array", "items": closed},
+                       "either": {"anyOf": [closed, {"type": "null"}]},
+                       "open": {**leaf, "additionalProperties": True}, "any": {"type": "object"}},
+        "$defs": {"d": closed}}
+    assert leaf == {"type": "object", "properties": {"x": {"type": "integer"}}}  # the request's own left as sent
+    assert closed_objects(closed_objects(schema)) == closed_objects(schema)
+    # a function sent without parameters takes none: its only arguments are {}
+    setup = setup_of(_body(tools=[{"type": "function", "function": {"name": "ping"}}], tool_choice="required"))
+    assert accepts(setup.grammar(), call_text("ping", {}))
+    assert not accepts(setup.grammar(), call_text("ping", {"host": "x"}))
