@@ -156,6 +156,12 @@ def finish_reason_text(reason: FinishReason | None) -> str:
 _FINISH_TEXT = {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
 
 
+def engine_names(body) -> dict[str, str]:
+    """The engine's names for this body's parameters where the body used another: the length
+    limit it sent as `max_completion_tokens`."""
+    return {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+
+
 def sampling_params(body, stop_token_ids: tuple[int, ...] = (), grammar: str | None = None) -> SamplingParams:
     given = [n for n in (body.max_completion_tokens, body.max_tokens) if n is not None]
     # 0 (session route only): an append; none given: DEFAULT_MAX_TOKENS, or what the context leaves

@@ -12,10 +12,10 @@ from engine.core.detokenizer import kept_output
 from service import chat, sse, structured
 from service import logprobs as logprobs_format
 from service.auth import tenant
-from service.errors import APIError, valid_text
+from service.errors import APIError, respelled, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
-from service.turns import (check_supported, collect, engine_call, finish_reason_text, open_session, render_chat,
-                           require_ready, sampling_params, start_turn, tokenize)
+from service.turns import (check_supported, collect, engine_call, engine_names, finish_reason_text, open_session,
+                           render_chat, require_ready, sampling_params, start_turn, tokenize)
 
 router = APIRouter(prefix="/v1/sessions", responses=ERROR_RESPONSES)
 
@@ -84,9 +84,8 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False,
                                 expect_history_len=history_len)
     except APIError as err:  # the engine names a turn's input `prompt`; this route's field is another
-        if err.param == "prompt":
-            err.param = "input" if body.input is not None else "messages"
-        raise
+        raise respelled(err, {"prompt": "input" if body.input is not None else "messages",
+                              **engine_names(body)}) from None
     headers = {"X-Request-Id": turn.request_id}
 
     async def final(out, sampled: list[int]) -> dict:

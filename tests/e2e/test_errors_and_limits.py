@@ -123,6 +123,11 @@ PARAMS = [
      "stream_options.include_usage"),
     ("POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
     ("POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
+    # the length limit past the context, in the name the request gave it
+    ("POST", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=10**6), "max_completion_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ("POST", "/v1/sessions/{sid}/generate", {"input": "hi", "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ("POST", "/v1/chat/completions", chat(max_tokens=10**6), "max_tokens"),
 ]
 
 
@@ -164,7 +169,10 @@ def test_errors_name_the_field_as_the_request_spells_it(server):
     got = []
     for method, path, body, param in PARAMS:
         r = httpx.request(method, server.url + path.format(sid=sid), json=body, timeout=30)
-        got.append((path, r.status_code, r.json()["error"]["param"]))
+        err = r.json()["error"]
+        got.append((path, r.status_code, err["param"]))
+        if body and 10**6 in body.values():  # past the context: the message names it so too
+            assert f"{param} (" in err["message"], err
     assert got == [(path, 400, param) for _, path, _, param in PARAMS]
     assert server.engine("session_tokens", sid, None) == []
 
