@@ -132,6 +132,18 @@ def server_process(log_path, *args: str, new_group: bool = False):
                 pass
 
 
+@contextmanager
+def live_server(**engine):
+    """A LiveServer on `EngineConfig(**engine)`, running while the block runs."""
+    from engine import EngineConfig
+
+    srv = LiveServer(Settings(engine=EngineConfig(**engine), port=free_port())).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` still runs (a zombie is gone, only not yet reaped)."""
     try:

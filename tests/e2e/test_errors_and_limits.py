@@ -9,7 +9,7 @@ import pytest
 
 from engine import EngineConfig
 from service.settings import Settings
-from tests.servers import LiveServer, free_port
+from tests.servers import LiveServer, free_port, live_server
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -467,24 +467,21 @@ def test_a_streamed_body_over_the_limit_gets_413_and_a_form_body_is_named(tiny):
 def test_a_session_stored_under_other_kv_settings_answers_409_naming_them(tmp_path):
     """A server started on a session database with another window leaves its sessions there and
     answers them 409 `session_incompatible` (the SDK's SessionIncompatible), naming the setting;
-    started again with the session's settings, it serves the session."""
+    started again with the session's settings, it serves the session; its owner may delete it
+    from the other server."""
     from service.client import Client, Session, SessionIncompatible
 
-    def serve(window: int) -> LiveServer:
-        return LiveServer(Settings(engine=EngineConfig(model="tiny-random", max_rows=2, kv_cache_bytes=1 << 22,
-                                                       kv_window=window, session_db=str(tmp_path / "s.sqlite3")),
-                                   port=free_port())).start()
+    def serve(window: int):
+        return live_server(model="tiny-random", max_rows=2, kv_cache_bytes=1 << 22, kv_window=window,
+                           session_db=str(tmp_path / "s.sqlite3"))
 
-    srv = serve(5)
-    try:
-        sid = httpx.post(f"{srv.url}/v1/sessions").json()["id"]
-        r = httpx.post(f"{srv.url}/v1/sessions/{sid}/generate", json={"input": [5, 6, 7], "max_tokens": 3})
-        assert r.status_code == 200, r.text
+    with serve(5) as srv:
+        sid, gone = (httpx.post(f"{srv.url}/v1/sessions").json()["id"] for _ in range(2))
+        for s in (sid, gone):
+            r = httpx.post(f"{srv.url}/v1/sessions/{s}/generate", json={"input": [5, 6, 7], "max_tokens": 3})
+            assert r.status_code == 200, r.text
         held = httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["history_tokens"]
-    finally:
-        srv.stop()
-    srv = serve(6)
-    try:
+    with serve(6) as srv:
         r = httpx.post(f"{srv.url}/v1/sessions/{sid}/generate", json={"input": [8], "max_tokens": 2})
         err = r.json()["error"]
         assert r.status_code == 409 and err["code"] == "session_incompatible" and err["param"] == "session_id"
@@ -492,24 +489,8 @@ def test_a_session_stored_under_other_kv_settings_answers_409_naming_them(tmp_pa
         with pytest.raises(SessionIncompatible, match="kv_window 5"):
             Session(Client(srv.url), sid).info()
         assert httpx.get(f"{srv.url}/v1/sessions/{'0' * 32}").json()["error"]["code"] == "session_not_found"
-    finally:
-        srv.stop()
-    srv = serve(5)
-    try:
-        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["history_tokens"] == held
-        gone = httpx.post(f"{srv.url}/v1/sessions").json()["id"]
-        httpx.post(f"{srv.url}/v1/sessions/{gone}/generate", json={"input": [5], "max_tokens": 1})
-    finally:
-        srv.stop()
-    srv = serve(6)  # its owner may delete it from there
-    try:
         assert httpx.delete(f"{srv.url}/v1/sessions/{gone}").json()["deleted"] is True
         assert httpx.delete(f"{srv.url}/v1/sessions/{gone}").json()["deleted"] is False
-    finally:
-        srv.stop()
-    srv = serve(5)
-    try:
+    with serve(5) as srv:
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["history_tokens"] == held
         assert httpx.get(f"{srv.url}/v1/sessions/{gone}").status_code == 404
-        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").status_code == 200
-    finally:
-        srv.stop()

@@ -311,25 +311,16 @@ def test_a_response_continued_on_a_server_with_other_kv_settings_is_rebuilt(tmp_
     """Stored responses outlive a restart with another window: their session is kept under the
     old settings, so the continuation is rebuilt from the stored conversation, in a new session,
     and answers as /v1/chat/completions does there for the whole conversation."""
-    from engine import EngineConfig
-    from service.settings import Settings
-    from tests.servers import LiveServer, free_port
+    from tests.servers import live_server
 
-    def serve(window: int) -> LiveServer:
-        return LiveServer(Settings(engine=EngineConfig(model="embedded", max_rows=4, kv_cache_bytes=64 << 20,
-                                                       kv_window=window, session_db=str(tmp_path / "s.sqlite3")),
-                                   port=free_port())).start()
+    def serve(window: int):
+        return live_server(model="embedded", max_rows=4, kv_cache_bytes=64 << 20, kv_window=window,
+                           session_db=str(tmp_path / "s.sqlite3"))
 
-    srv = serve(64)
-    try:
+    with serve(64) as srv:
         first = sdk(srv).responses.create(input=FEW_SHOT + FRANCE, **GREEDY)
-    finally:
-        srv.stop()
-    srv = serve(32)
-    try:
+    with serve(32) as srv:
         germany = {"role": "user", "content": "And of Germany?"}
         second = sdk(srv).responses.create(input=[germany], previous_response_id=first.id, **GREEDY)
         assert second.output_text == chat_text(srv, FEW_SHOT + FRANCE + [reply(first), germany])
         assert second.usage.input_tokens_details.cached_tokens == 0  # rebuilt, in a new session
-    finally:
-        srv.stop()
