@@ -46,6 +46,7 @@ class GenerationFailed(S5Error): ...
 class ConnectionFailed(S5Error): ...  # the server was not reached, or the connection broke (status 0)
 
 
+_BY_CODE = {"session_incompatible": SessionIncompatible}  # a code whose status other errors share
 _BY_STATUS = {400: BadRequest, 401: AuthenticationError, 404: NotFound, 409: SessionBusy,
               410: SessionEvicted, 413: BadRequest, 429: RateLimited, 503: Unavailable}
 
@@ -53,7 +54,7 @@ _BY_STATUS = {400: BadRequest, 401: AuthenticationError, 404: NotFound, 409: Ses
 def _error(status: int, body: Any) -> S5Error:
     err = body.get("error", {}) if isinstance(body, dict) else {}
     code = err.get("code") or "error"
-    cls = SessionIncompatible if code == "session_incompatible" else _BY_STATUS.get(status, S5Error)
+    cls = _BY_CODE.get(code) or _BY_STATUS.get(status, S5Error)
     return cls(status, code, err.get("message") or str(body))
 
 

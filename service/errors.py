@@ -42,14 +42,13 @@ def valid_text(text: str, param: str) -> str:
     return text
 
 
-def respelled(err: APIError, names: dict[str, str]) -> APIError:
-    """`err` in the request's own names for its parameters (`names`: the engine's name -> the
-    request's), in `param` and where the message names the parameter with its value."""
+def respell(err: APIError, names: dict[str, str]) -> None:
+    """Put `err` in the request's own names for its parameters (`names`: the engine's name ->
+    the request's), in `param` and where the message names the parameter with its value."""
     new = names.get(err.param or "")
     if new is not None:
         err.message = err.message.replace(f"{err.param} (", f"{new} (")
         err.param = new
-    return err
 
 
 def from_engine(err: EngineError) -> APIError:

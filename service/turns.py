@@ -24,7 +24,7 @@ from engine.client import Delta, EngineDead, RequestStream
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.types import EngineError, TokenLogprobs
 from service import chat
-from service.errors import APIError, from_engine, valid_text
+from service.errors import APIError, from_engine, respell, valid_text
 from service.schemas import DEFAULT_MAX_TOKENS
 from service.tokenize_worker import TokenizerGone, TokenizerProcess
 
@@ -320,13 +320,16 @@ class Turn:
 
 
 async def start_turn(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
-                     owner: str | None, match_prefix: bool, expect_history_len: int | None = None) -> Turn:
+                     owner: str | None, match_prefix: bool, expect_history_len: int | None = None,
+                     names: dict[str, str] | None = None) -> Turn:
     """Submit a turn. With `match_prefix`, `prompt_ids` is the whole conversation: the stored
     history must be its prefix (only the rest is prefilled), else the session is re-prefilled.
-    `expect_history_len`: the history length `prompt_ids` was prepared against (see Request)."""
+    `expect_history_len`: the history length `prompt_ids` was prepared against (see Request).
+    `names`: the request's names for the engine's parameters, which its errors then use."""
     if params.n != 1:
         raise APIError(400, "n > 1 is not available here: a session has one row", "invalid_request", "n")
-    return (await start_turns(state, prompt_ids, params, session_id, owner, match_prefix, expect_history_len))[0]
+    return (await start_turns(state, prompt_ids, params, session_id, owner, match_prefix, expect_history_len,
+                              names=names))[0]
 
 
 def new_request_id() -> str:
@@ -335,7 +338,7 @@ def new_request_id() -> str:
 
 async def start_turns(state, prompt_ids: list[int], params: SamplingParams, session_id: str | None,
                       owner: str | None, match_prefix: bool, expect_history_len: int | None = None,
-                      request_id: str | None = None) -> list[Turn]:
+                      request_id: str | None = None, names: dict[str, str] | None = None) -> list[Turn]:
     """`start_turn` for `params.n` completions of one prompt: one turn per completion (the
     engine prefills the prompt once and forks its row). `request_id`: the engine request's id
     (default: a new one)."""
@@ -346,7 +349,11 @@ async def start_turns(state, prompt_ids: list[int], params: SamplingParams, sess
     started = time.monotonic()
     request = Request(rid, prompt_ids, params, session_id, owner, match_prefix and session_id is not None,
                       expect_history_len)
-    streams = await engine_call(engine.generate_all(request))
+    try:
+        streams = await engine_call(engine.generate_all(request))
+    except APIError as err:
+        respell(err, names or {})
+        raise
     m.prompt_tokens.inc(len(prompt_ids))
     return [Turn(state, stream, IncrementalDetokenizer(state.tokenizer, params.stop) if state.tokenizer is not None
                  else None, len(prompt_ids), started, fork=i > 0, stop_token_ids=params.stop_token_ids)

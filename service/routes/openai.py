@@ -15,7 +15,7 @@ from engine.core.types import prompt_id
 from service import chat, sse, structured, tools
 from service import logprobs as logprobs_format
 from service.auth import tenant
-from service.errors import APIError, respelled, valid_text
+from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, MAX_PROMPTS, STREAM_RESPONSES, ChatCompletionRequest, CompletionRequest
 from service.turns import (check_model, check_supported, collect_all, engine_names, finish_reason_text, new_request_id,
                            render_chat, require_ready, sampling_params, start_turns, tokenize)
@@ -80,10 +80,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, owner:
     elif setup is not None:  # auto beside a response_format: the reply follows the format, no call
         setup = None
     params = sampling_params(body, st.end_of_turn_ids, grammar)
-    try:
-        turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True)
-    except APIError as err:
-        raise respelled(err, engine_names(body)) from None
+    turns = await start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True,
+                              names=engine_names(body))
     return await _respond(body, turns, request, chat=True, model=st.model_name, texts=st.token_texts, calls=setup)
 
 
@@ -114,14 +112,13 @@ async def completions(body: CompletionRequest, request: Request, owner: str | No
     # each prompt a request of its own (with its n choices), all submitted at once, so that the
     # engine takes them in one step; one refused: the others are aborted and the request refused
     started = await asyncio.gather(*(start_turns(st, ids, params, _session_id(request, body), owner, match_prefix=True,
-                                                 request_id=prompt_id(rid, i)) for i, ids in enumerate(ids_of)),
+                                                 request_id=prompt_id(rid, i), names=engine_names(body))
+                                     for i, ids in enumerate(ids_of)),
                                    return_exceptions=True)
     failed = [r for r in started if isinstance(r, BaseException)]
     if failed:
         for t in (t for r in started if not isinstance(r, BaseException) for t in r):
             t.close()
-        if isinstance(failed[0], APIError):
-            raise respelled(failed[0], engine_names(body))
         raise failed[0]
     turns = [t for r in started for t in r]
     return await _respond(body, turns, request, chat=False, model=st.model_name, texts=st.token_texts,

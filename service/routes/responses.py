@@ -29,7 +29,7 @@ from engine.client import EngineDead
 from service import chat, structured
 from service import responses as rs
 from service.auth import tenant
-from service.errors import APIError, respelled
+from service.errors import APIError, respell
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES
 from service.turns import check_model, collect, engine_call, open_session, render_chat, require_ready, start_turn
 
@@ -146,7 +146,8 @@ async def create_response(body: rs.ResponsesRequest, request: Request, owner: st
     try:
         plan, turn = await _start(st, body, messages, params, owner)
     except APIError as err:  # the engine's and the chat template's names for this API's parameters
-        raise respelled(err, _PARAMS) from None
+        respell(err, _PARAMS)
+        raise
     response_id, item_id, created = rs.new_id("resp"), rs.new_id("msg"), int(time.time())
     headers = {"X-Request-Id": turn.request_id}
 

@@ -12,7 +12,7 @@ from engine.core.detokenizer import kept_output
 from service import chat, sse, structured
 from service import logprobs as logprobs_format
 from service.auth import tenant
-from service.errors import APIError, respelled, valid_text
+from service.errors import APIError, valid_text
 from service.schemas import ERROR_RESPONSES, STREAM_RESPONSES, SessionGenerateRequest
 from service.turns import (check_supported, collect, engine_call, engine_names, finish_reason_text, open_session,
                            render_chat, require_ready, sampling_params, start_turn, tokenize)
@@ -80,12 +80,10 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     history_len, ids = await _turn_input(st, session_id, owner, body, append)
     if not ids:
         raise APIError(400, "input is empty", "invalid_request", "input")
-    try:
-        turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False,
-                                expect_history_len=history_len)
-    except APIError as err:  # the engine names a turn's input `prompt`; this route's field is another
-        raise respelled(err, {"prompt": "input" if body.input is not None else "messages",
-                              **engine_names(body)}) from None
+    # the engine names a turn's input `prompt`; this route's field is another
+    names = {"prompt": "input" if body.input is not None else "messages", **engine_names(body)}
+    turn = await start_turn(st, ids, params, session_id, owner, match_prefix=False, expect_history_len=history_len,
+                            names=names)
     headers = {"X-Request-Id": turn.request_id}
 
     async def final(out, sampled: list[int]) -> dict:
