@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -182,6 +182,25 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
           stage_tests cuda-tests-gemma4-nf4 "greedy_tokens and gemma4" 200 ;;
         decode)
           for side in after before; do stage_decode gemma4-26b-a4b $side; done ;;
+      esac
+    done ;;
+  fused-ends)  # the MLP's activation computed by its NF4 gate/up product's kernels, and the experts'
+    # (token, expert) partials added by the layer's end kernel: STEPS of tests (both trees' extensions
+    # built, the NF4 kernels' GPU tests that take them, the Gemma 4 kernels against their references,
+    # the engines' greedy tokens on NF4 against bitsandbytes), moe (4-bit decode of the 26B-A4B shape at
+    # DECODE_N, default 8), dense (4-bit Gemma-3 4B at N=1), each this tree then BEFORE, same machine
+    for step in ${STEPS:-tests moe dense}; do
+      case $step in
+        tests)
+          stage_build
+          timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
+            tests/equivalence/test_cuda.py -k "activation or experts_match or greedy_tokens or gemma4_kernels_match" \
+            2>&1 | tee "$OUT/cuda-tests-fused-ends.log" | grep -v "^\.$" \
+            | grep -E "passed|failed|Error|error|nf4 cuda|nf4 experts|greedy|bfloat16:|float32:" | tail -20 ;;
+        moe)
+          for side in after before; do DECODE_N=${DECODE_N:-8} stage_decode gemma4-26b-a4b $side; done ;;
+        dense)
+          for side in after before; do DECODE_N=1 stage_decode gemma3-4b $side; done ;;
       esac
     done ;;
   nf4-block)  # the block tiles (1-64 rows of x): STEPS of tests (the extension built, the block

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from engine.kernels import moe
 from engine.kernels.launch import kernel_args
 
 try:
@@ -89,10 +90,14 @@ def qk_norm_rope_ref(qkv, wq, wk, cos, sin, heads, kv_heads, eps, offset=1.0, v_
     return q * c + rot(q) * s, k * c + rot(k) * s, v
 
 
-def layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps):
+def layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps, pairs=0):
     """The end of a Gemma 4 layer (norms with offset 0): with experts (e not None),
     s = norm(d; w1) + norm(e; w2), else s = d; h' = (h + norm(s; w_post)) * scalar; returns
-    (h', norm(h'; w_next))."""
+    (h', norm(h'; w_next)). `pairs` k > 0: e is the experts' unsummed float32 partials [T k, N]
+    (`moe.experts(..., pairs=True)`), each token's k added in order and rounded to h's dtype
+    first (`moe.sum_pairs_ref`)."""
+    if pairs:
+        e = moe.sum_pairs_ref(e, pairs, h.dtype)
     s = d if e is None else _norm(d, w1, eps, 0.0) + _norm(e, w2, eps, 0.0)
     r = (h + _norm(s, w_post, eps, 0.0)) * scalar
     return r, _norm(r, w_next, eps, 0.0)
@@ -193,7 +198,7 @@ if triton is not None:
 
     @triton.jit
     def _layer_out(H, Dd, Ee, W1, W2, Wp, Scalar, Wn, X, N, eps, HAS_E: tl.constexpr, BLOCK: tl.constexpr,
-                   GDC: tl.constexpr = False):
+                   PAIRS: tl.constexpr = 0, GDC: tl.constexpr = False):
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -201,7 +206,13 @@ if triton is not None:
         dt = H.dtype.element_ty
         d = tl.load(Dd + row * N + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_E:
-            e = tl.load(Ee + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            if PAIRS:  # the row's PAIRS float32 partials, added in order and rounded as moe's _sum_pairs
+                e = tl.zeros([BLOCK], tl.float32)
+                for j in tl.static_range(PAIRS):
+                    e += tl.load(Ee + (row * PAIRS + j) * N + cols, mask=m, other=0.0)
+                e = e.to(dt).to(tl.float32)
+            else:
+                e = tl.load(Ee + row * N + cols, mask=m, other=0.0).to(tl.float32)
             w1 = tl.load(W1 + cols, mask=m, other=0.0).to(tl.float32)
             w2 = tl.load(W2 + cols, mask=m, other=0.0).to(tl.float32)
             d1 = (d * tl.rsqrt(tl.sum(d * d, 0) / N + eps) * w1).to(dt).to(tl.float32)
@@ -327,17 +338,17 @@ def qk_norm_rope_at(qkv, wq, wk, positions, inv_freq, scaling, heads, kv_heads, 
                                 v_norm, v_from_k, True, pdl)
 
 
-def layer_out(h, d, e, w1, w2, w_post, scalar, w_next, eps, pdl=False):
+def layer_out(h, d, e, w1, w2, w_post, scalar, w_next, eps, pdl=False, pairs=0):
     """See `layer_out_ref`; h [T, N] is updated in place on CUDA."""
     if not _use_triton(h):
-        return layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps)
+        return layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps, pairs)
     x = torch.empty_like(h)
     n = h.shape[-1]
     if h.shape[0]:
         has_e = e is not None
         _layer_out[(h.shape[0],)](h, d, e if has_e else d, w1 if has_e else w_post, w2 if has_e else w_post, w_post,
                                   scalar, w_next, x, n, eps, HAS_E=has_e, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=_warps(n), **kernel_args(pdl))
+                                  PAIRS=pairs if has_e else 0, num_warps=_warps(n), **kernel_args(pdl))
     return h, x
 
 

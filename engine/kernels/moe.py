@@ -13,7 +13,9 @@ few tokens per step the work is reading the chosen experts' weights once; three 
   expert_down    per token: each chosen expert's down rows against its pair's activation,
                  weighted and summed over the k experts in float32 (no scatter, no atomics);
                  or split (DOWN["split"]): per pair into float32 partials, then a sum per token
-                 in the same order (the same result, more and smaller programs)
+                 in the same order (the same result, more and smaller programs); with `pairs`
+                 the partials themselves, for the kernel after the block to add (Gemma 4's
+                 fused_ops.layer_out), one launch fewer
 
 `experts_ref` is the same math in torch ops: the CPU path for a handful of tokens and the
 kernels' test oracle. The kernels round where the stock module rounds (each product's output and
@@ -60,6 +62,16 @@ def experts_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     a = F.gelu(g, approximate="tanh") * u  # [T k, I]
     y = torch.einsum("pi,phi->ph", a.float(), down[pairs].float()).to(x.dtype)  # [T k, H]
     return (y.float().view(T, k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+
+
+def sum_pairs_ref(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pairs' float32 partials [T k, H] (`experts(..., pairs=True)`) -> [T, H] in `dtype`: each
+    token's k partials added in order, as `_sum_pairs` adds them."""
+    part = part.view(-1, top_k, part.shape[-1])
+    out = part[:, 0].clone()
+    for j in range(1, top_k):
+        out += part[:, j]
+    return out.to(dtype)
 
 
 if triton is not None:
@@ -210,11 +222,12 @@ DOWN = dict(block_n=8, block_k=256, warps=4, split=True)  # split: per pair, the
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, gate_up_launch: dict | None = None, down_launch: dict | None = None,
-            pdl: bool = False) -> torch.Tensor:
+            pdl: bool = False, pairs: bool = False) -> torch.Tensor:
     """See `experts_ref` (CUDA, up to MAX_TOKENS tokens). The launches default to GATE_UP and
     DOWN (`python -m bench.tune_kernels --experts` times others). The pairs' programs run in
     token order: sorted by expert (pairs sharing an expert side by side) was 10% slower at 8
-    tokens on an H200, the sort included."""
+    tokens on an H200, the sort included. `pairs`: the split down stage's weighted float32
+    partials [T k, H], unsummed (`sum_pairs_ref` is their sum)."""
     GU, DN = gate_up_launch or GATE_UP, down_launch or DOWN
     T, k = experts_idx.shape
     E, two_i, H = gate_up.shape
@@ -223,17 +236,19 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
     idx = experts_idx.contiguous()
     wts = weights.float().contiguous()
     act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y = torch.empty((T * k, H) if pairs else (T, H), dtype=torch.float32 if pairs else x.dtype, device=x.device)
     if T:
         _expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
             x, idx, gate_up, act, H, inter, gate_up.stride(0), K=k, BLOCK_N=GU["block_n"], BLOCK_K=GU["block_k"],
             num_warps=GU["warps"], **kernel_args(pdl))
-        if DN.get("split"):
-            part = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+        if DN.get("split") or pairs:
+            part = y if pairs else torch.empty((T * k, H), dtype=torch.float32, device=x.device)
             _expert_down_pairs[(T * k, triton.cdiv(H, DN["block_n"]))](
                 act, idx, wts, down, part, H, inter, down.stride(0), BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"],
                 num_warps=DN["warps"], **kernel_args(pdl))
-            _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **kernel_args(pdl))
+            if not pairs:
+                _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4,
+                                                      **kernel_args(pdl))
         else:
             _expert_down[(T, triton.cdiv(H, DN["block_n"]))](
                 act, idx, wts, down, y, H, inter, down.stride(0), K=k, BLOCK_N=DN["block_n"],

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import nf4_cuda
+from engine.kernels.fused_ops import gelu_mul
 from engine.kernels.launch import kernel_args
 
 try:
@@ -753,15 +754,18 @@ def _sms(index: int) -> int:
 
 
 def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None,
-           pdl: bool = False) -> torch.Tensor:
+           pdl: bool = False, gelu: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
     launch for the smallest planned row count >= M (without one, `launch_for`'s, lookups by
     loads; a planned None: as for more rows; a planned {"cuda": launch}: the CUDA kernel of
-    nf4_cuda where it takes x); more rows dequantize W and run `F.linear`."""
+    nf4_cuda where it takes x); more rows dequantize W and run `F.linear`. `gelu`: W is Gemma's
+    gate/up weight and the result `fused_ops.gelu_mul` of the product, [M, N / 2]: computed by
+    the CUDA kernel where it runs, else by that kernel after the product."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):
-        return F.linear(x, dequantize_ref(w))
+        y = F.linear(x, dequantize_ref(w))
+        return gelu_mul(y) if gelu else y
     sms = 4  # Triton's interpreter on the CPU
     if x.is_cuda:
         sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
@@ -769,13 +773,12 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     if m <= MAX_KERNEL_ROWS:
         planned = [r for r in (plan or {}) if r >= m]
         cfg = plan[min(planned)] if planned else launch_for(m, w.shape[0], w.shape[1], sms)
-    if cfg is None:
-        return F.linear(x, dequantize(w))
-    if "cuda" in cfg:  # the CUDA kernel (nf4_cuda), where it takes x
+    if cfg is not None and "cuda" in cfg:  # the CUDA kernel (nf4_cuda), where it takes x
         if nf4_cuda.fits(x, w, cfg["cuda"]):
-            return nf4_cuda.gemv(x, w, cfg["cuda"], sms, pdl)
+            return nf4_cuda.gemv(x, w, cfg["cuda"], sms, pdl, gelu=gelu)
         cfg = launch_for(m, w.shape[0], w.shape[1], sms)
-    return nf4_matmul(x, w, **cfg, pdl=pdl)
+    y = F.linear(x, dequantize(w)) if cfg is None else nf4_matmul(x, w, **cfg, pdl=pdl)
+    return gelu_mul(y, pdl) if gelu else y
 
 
 def with_split(cand: tuple, m: int, n: int, k: int, sms: int, per_sm: int = 2, shfl: bool = False) -> dict:

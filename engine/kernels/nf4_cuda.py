@@ -68,7 +68,7 @@ def extension():
         return None
     decl = ("void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, "
             "torch::Tensor y, torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, "
-            "int64_t blocks, bool pdl);\n"
+            "int64_t blocks, bool pdl, bool gelu);\n"
             "void nf4_experts_gate_up(torch::Tensor x, torch::Tensor experts, torch::Tensor packed, "
             "torch::Tensor absmax, torch::Tensor code, torch::Tensor act, int64_t top_k, int64_t warps, "
             "int64_t blocks, bool pdl);\n"
@@ -143,19 +143,22 @@ def fits(x: torch.Tensor, w, launch: tuple[int, int, int, int] | None = None) ->
 
 
 def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: bool = False,
-         mode: int = 0) -> torch.Tensor:
+         mode: int = 0, gelu: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] bf16 with the CUDA kernel, W an `nf4.NF4Weight` (`fits(x, w, launch)` must
     hold; `sms`: the device's multiprocessors; `pdl`: launched with PDL, as kernels/launch.py's
     kernels are (the caller checked `launch.supported`); `mode` 1 and 2 are the source's
     measurement variants, not the product, 3 and 4 the tiles' product with L2 prefetching and with copies
     that read whole 32-byte sectors, 5 the tiles' copies from a tile-contiguous layout, a measurement;
     for the block tiles at 33-64 rows of x, 1 without the lookups, 6 without the mma, 2 and 3
-    without x's and without the weights' copies past the ring's first groups)."""
+    without x's and without the weights' copies past the ring's first groups). `gelu`: W is Gemma's
+    gate/up weight [gate; up] and the result gelu_tanh(gate) x up [M, N / 2], with the roundings
+    of `fused_ops.gelu_mul` after the product (the tiles compute it as they store, the others in
+    the kernel that adds the K slices)."""
     rows, warps, split, per_sm = launch
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    y = torch.empty((x.shape[0], w.shape[0] // 2 if gelu else w.shape[0]), dtype=x.dtype, device=x.device)
     # the launcher allocates the float32 partials of a K split (it settles the split), so y stands
     # for the partials buffer here
-    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, y, rows, warps, split, mode, per_sm * sms, pdl)
+    extension().nf4_gemv(x, w.packed, w.scales, w.code, y, y, rows, warps, split, mode, per_sm * sms, pdl, gelu)
     return y
 
 

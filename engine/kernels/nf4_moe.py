@@ -12,7 +12,7 @@ viewed as 2-D (groups of 64 along a row), so a row of one expert is a row of the
                   and scaled by the group's absmax once; then gelu_tanh(gate) * up
   expert_down     per pair: the expert's down rows against the pair's activation, weighted by
                   the router into a float32 partial; then moe's `_sum_pairs` adds each token's k
-                  partials in order (no atomics)
+                  partials in order (no atomics), or, with `pairs`, the kernel after the block
 
 Where kernels/nf4_cuda.py is built, `experts(..., tiles=launch)` runs both stages on its
 tensor-core tiles instead (the pairs grouped by expert, up to 8 of one expert per tile, each
@@ -127,12 +127,14 @@ DOWN = dict(block_n=32, block_k=128, warps=2, stages=3)
 
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up: NF4Weight,
             down: NF4Weight, gate_up_launch: dict | None = None, down_launch: dict | None = None,
-            pdl: bool = False, shfl: bool = True, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+            pdl: bool = False, shfl: bool = True, tiles: tuple[int, int] | None = None,
+            pairs: bool = False) -> torch.Tensor:
     """See `experts_ref` (Triton, up to moe.MAX_TOKENS tokens; CUDA, or the interpreter in
     tests). The launches default to GATE_UP's for T tokens and DOWN; `shfl`: the code lookup by
     warp shuffle (CUDA only), else by loads. `tiles` (warps per block, blocks per SM): both stages
     on kernels/nf4_cuda.py's tensor-core tiles instead, where that kernel is built and takes the
-    operands."""
+    operands. `pairs`: the down stage's weighted float32 partials [T k, H], unsummed (as
+    `moe.experts`)."""
     T, k = experts_idx.shape
     GU = gate_up_launch or GATE_UP[min(t for t in GATE_UP if t >= min(T, moe.MAX_TOKENS))]
     DN = down_launch or DOWN
@@ -144,15 +146,20 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
         x = x.clone(memory_format=torch.contiguous_format)
     idx = experts_idx.contiguous()
     wts = weights.float().contiguous()
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if not T:
-        return y
+        return torch.empty((0, H), dtype=torch.float32 if pairs else x.dtype, device=x.device)
     args = kernel_args(pdl)
-    if tiles is not None and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, tiles, k):
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        part = nf4_cuda.experts(x, idx, wts, gate_up, down, tiles, sms, pdl)
+
+    def summed(part):
+        if pairs:
+            return part
+        y = torch.empty((T, H), dtype=x.dtype, device=x.device)
         _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **args)
         return y
+
+    if tiles is not None and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, tiles, k):
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return summed(nf4_cuda.experts(x, idx, wts, gate_up, down, tiles, sms, pdl))
     common = dict(SHFL=shfl and x.is_cuda, X16=x.element_size() == 2, BF16=x.dtype == torch.bfloat16)
     act = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     _nf4_expert_gate_up[(T * k, triton.cdiv(inter, GU["block_n"]))](
@@ -164,5 +171,4 @@ def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, g
         act, idx, wts, down.packed, down.scales, down.code, part, H, inter, down.packed.stride(0),
         down.scales.stride(0), BLOCK_N=DN["block_n"], BLOCK_K=DN["block_k"], EVEN=inter % DN["block_k"] == 0,
         STAGES=DN["stages"], num_warps=DN["warps"], **common, **args)
-    _sum_pairs[(T, triton.cdiv(H, 1024))](part, y, H, K=k, BLOCK=1024, num_warps=4, **args)
-    return y
+    return summed(part)

@@ -150,7 +150,8 @@ def plan_experts(layers: list[tuple[NF4Weight, NF4Weight]], top_k: int,
     down) per layer, same shapes), where one agrees with `nf4_moe.experts_ref` and runs the
     layers faster than the Triton kernels (timed from a CUDA graph, each layer routed anew, with
     PDL where `pdl_for(tokens)` says the forward launches with it); else None, the Triton
-    kernels. Empty where the CUDA kernel is not built or does not take the experts."""
+    kernels. Empty where the CUDA kernel is not built or does not take the experts. Timed as the
+    forward runs them: the pairs' partials left for the layer's end to add (`pairs`)."""
     from engine.kernels.small_linear import graph_ms
 
     if not layers or layers[0][0].device.type != "cuda" or nf4_cuda.extension() is None:
@@ -175,7 +176,8 @@ def plan_experts(layers: list[tuple[NF4Weight, NF4Weight]], top_k: int,
         want = nf4_moe.experts_ref(x, idxs[0].long(), w, gate_up, down)
 
         def run(tiles):
-            return [nf4_moe.experts(x, idx, w, gu, dn, pdl=pdl, tiles=tiles) for idx, (gu, dn) in zip(idxs, layers)]
+            return [nf4_moe.experts(x, idx, w, gu, dn, pdl=pdl, tiles=tiles, pairs=True)
+                    for idx, (gu, dn) in zip(idxs, layers)]
 
         best, plan[tokens] = graph_ms(lambda: run(None), reps=3), None
         for tiles in nf4_cuda.EXPERT_LAUNCHES:

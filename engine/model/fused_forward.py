@@ -11,6 +11,9 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
   -> [G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T -> add_rmsnorm (residual, post-MLP norm and the
   next layer's input norm, or the final norm after the last layer)
 
+(gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
+the CUDA kernel of kernels/nf4_cuda.py: `project_gelu`.)
+
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
 projection and row count when the forward is built), that kernel runs it.
@@ -229,6 +232,16 @@ def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict],
     return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl_for(x.shape[0]))
 
 
+def project_gelu(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for) -> torch.Tensor:
+    """gelu_tanh(gate) x up of `project(x, w, ...)`, w the MLP's [gate; up] weight: NF4 weights
+    compute it in their product's CUDA kernel where that runs (`nf4.linear`'s `gelu`), one launch
+    fewer; otherwise `gelu_mul` after the product."""
+    pdl = pdl_for(x.shape[0])
+    if isinstance(w, NF4Weight):
+        return nf4.linear(x, w, plan, pdl, gelu=True)
+    return gelu_mul(project(x, w, plan, pdl_for), pdl=pdl)
+
+
 class FusedDecoder:
     """What the engine's own forwards (Gemma 3 here, Gemma 4 in fused_gemma4.py) take from the
     stock decoder besides its layers: the embedding, the rotary embedding (and, where they match
@@ -334,7 +347,7 @@ class FusedGemma3(FusedDecoder):
             a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
             o = self._project(a, L, "wo")
             h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl, cpu=cpu)
-            m = gelu_mul(self._project(x, L, "wgu"), pdl=pdl)
+            m = project_gelu(x, L.wgu, self.plans["wgu"], self.pdl_for)
             d = self._project(m, L, "wd")
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl, cpu=cpu)

@@ -10,10 +10,10 @@ layer this forward runs:
   x -> [Q|K|V] = x Wqkv^T (full layers with values equal to keys: [Q|K]) -> qk_norm_rope (Q and
   K norms and RoPE, V's scale-free norm) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
   post-attention norm, and the three inputs of what follows: the dense MLP's, the experts' and
-  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul -> D = m Wd^T) and, beside it, router
-  logits -> router_topk -> experts (kernels/moe.py) -> layer_out (the MLP and experts' post-norms,
-  their sum, the post-MLP norm, the residual add, the layer scalar and the next layer's input
-  norm)
+  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul (`project_gelu`) -> D = m Wd^T) and,
+  beside it, router logits -> router_topk -> experts (kernels/moe.py) -> layer_out (the sum of
+  each token's expert partials, the MLP and experts' post-norms, their sum, the post-MLP norm, the
+  residual add, the layer scalar and the next layer's input norm)
 
 Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts module (its
 grouped products have whole tiles of tokens per expert there). Models with per-layer input
@@ -37,14 +37,14 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plan_projection,
-                                        project, projections_unsupported)
+                                        project, project_gelu, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe, nf4, nf4_moe
 from engine.kernels.nf4 import NF4Weight
 from engine.kernels.nf4_plan import expert_tiles_for, plan_experts
 from engine.model.nf4_experts import NF4Experts
-from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, layer_out, rmsnorm
+from engine.kernels.fused_ops import add_rmsnorm, layer_out, rmsnorm
 
 log = logging.getLogger(__name__)
 
@@ -195,16 +195,17 @@ class FusedGemma4(FusedDecoder):
     def _project(self, x: torch.Tensor, w, name: str) -> torch.Tensor:
         return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for)
 
-    def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The experts' output and how many partials a token has in it: the kernels leave each
+        (token, expert) pair's float32 partial for `layer_out` to add (top_k), the model's own
+        module sums them (0: the output is the sum)."""
         logits = self._project(x_router, X.router, "router")
         pdl = self.pdl_for(x.shape[0])
         weights, chosen = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
         if moe.use_kernels(x):
-            if isinstance(X.gate_up, NF4Weight):
-                tiles = expert_tiles_for(self.expert_tiles, x.shape[0])
-                return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl, tiles=tiles)
-            return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl)
-        return X.module(x, chosen.long(), weights)
+            kw = {"tiles": expert_tiles_for(self.expert_tiles, x.shape[0])} if isinstance(X.gate_up, NF4Weight) else {}
+            return X.kernels(x, chosen, weights, X.gate_up, X.down, pdl=pdl, pairs=True, **kw), X.top_k
+        return X.module(x, chosen.long(), weights), 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
@@ -225,11 +226,12 @@ class FusedGemma4(FusedDecoder):
             else:
                 h, x, x_experts, x_router = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0,
                                                         also=(X.pre_norm, X.router_in), pdl=pdl)
-            d = self._project(gelu_mul(self._project(x, L.wgu, "wgu"), pdl), L.wd, "wd")
-            e = None if X is None else self._experts(X, x_router, x_experts)
+            d = self._project(project_gelu(x, L.wgu, self.plans[("wgu", tuple(L.wgu.shape))], self.pdl_for), L.wd,
+                              "wd")
+            e, pairs = (None, 0) if X is None else self._experts(X, x_router, x_experts)
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = layer_out(h, d, e, X.post_mlp if X else None, X.post_norm if X else None, L.post_ff, L.scalar,
-                             nxt, eps, pdl)
+                             nxt, eps, pdl, pairs)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)

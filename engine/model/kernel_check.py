@@ -67,13 +67,18 @@ def gemma4_kernels_disagree(fused: FusedGemma4) -> str | None:
                     continue
                 compare("layer_out", layer_out(h.clone(), d, e, X.post_mlp, X.post_norm, *args, pdl=pdl),
                         fused_ops.layer_out_ref(h, d, e, X.post_mlp, X.post_norm, *args))
+                part = torch.randn(T * X.top_k, hidden, device=g.device, generator=g) * 0.3  # the pairs' partials
+                compare("layer_out of pairs", layer_out(h.clone(), d, part, X.post_mlp, X.post_norm, *args, pdl=pdl,
+                                                        pairs=X.top_k),
+                        fused_ops.layer_out_ref(h, d, part, X.post_mlp, X.post_norm, *args, pairs=X.top_k))
                 logits = torch.randn(T, X.router.shape[0], device=g.device, generator=g)
                 w, idx = moe.router_topk(logits, X.top_k, X.per_expert_scale, pdl)
                 w_ref, idx_ref = moe.router_topk_ref(logits, X.top_k, X.per_expert_scale)
                 if not torch.equal(idx.long().sort(1).values, idx_ref.sort(1).values):
                     return "router_topk chose other experts than its reference"
                 x = rnd(hidden)[:2]  # the reference holds float32 copies of each pair's weights
-                compare("experts", [X.kernels(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl)],
+                got = X.kernels(x, idx[:2], w[:2], X.gate_up, X.down, pdl=pdl, pairs=True)
+                compare("experts", [moe.sum_pairs_ref(got, X.top_k, dtype)],
                         [X.reference(x, idx_ref[:2], w_ref[:2], X.gate_up, X.down)])
     except Exception as exc:  # a kernel that does not compile or launch here
         return f"{type(exc).__name__}: {exc}"

@@ -482,6 +482,12 @@ def test_gemma4_kernels_match_their_references(dtype):
         assert torch.equal(got_i.long().sort(1).values, want_i.sort(1).values)  # no ties in these draws
         order = got_i.long().argsort(1), want_i.argsort(1)
         x = rnd(T, N)
+        part = moe.experts(x, got_i, got_w, gate_up, down, pairs=True)  # the pairs' partials, for layer_out
+        summed = moe.experts(x, got_i, got_w, gate_up, down)
+        assert part.shape == (T * K, N) and torch.equal(moe.sum_pairs_ref(part, K, dtype), summed)
+        for a, b in zip(ops.layer_out(h.clone(), d, part, w1, w2, w3, scalar, w4, eps, pairs=K),
+                        ops.layer_out(h.clone(), d, summed, w1, w2, w3, scalar, w4, eps)):
+            assert torch.equal(a, b), "layer_out adds the pairs to the bits of their sum"
         pairs = {"add_rmsnorm h": (got[0], want[0]), **{f"add_rmsnorm x{i}": (got[i], want[i]) for i in (1, 2, 3)},
                  **{f"sliding {n}": (a, b) for n, a, b in zip("qkv", got_s, want_s)},
                  **{f"full {n}": (a, b) for n, a, b in zip("qkv", got_f, want_f)},

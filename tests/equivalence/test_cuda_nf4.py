@@ -261,6 +261,44 @@ def test_nf4_cuda_block_tiles_match_bitsandbytes_dequantize_and_matmul():
     print(f"nf4 cuda block tiles: worst relative error against dequantize_4bit + F.linear {worst:.1e}")
 
 
+def test_nf4_cuda_gate_up_with_its_activation_equals_the_product_then_gelu_mul():
+    """`gelu=True` (the MLP's [gate; up] weight, gelu_tanh(gate) x up computed by the product's
+    kernels): one-row, persistent, tile and block launches, each unsplit and K split, at 1-64 rows
+    of x on Gemma-3 4B's gate/up shape and odd ones (I not a multiple of a tile's 8 rows, K of one
+    group), against `fused_ops.gelu_mul` of the same launch's product (per x row and 8 outputs;
+    the activation's exp is CUDA's there, Triton's here) and of dequantize_4bit + F.linear; with PDL
+    equal to without; `nf4.linear` with `gelu` on a planned launch that does not take x runs the
+    Triton product and `gelu_mul`."""
+    from engine.kernels import fused_ops
+
+    sms, pdl = cuda_kernel()
+    by_rows = {1: [nf4_cuda.CANDIDATES[0], (2, 2, 2, 0), (4, 8, 1, 8), (16, 12, 0, 1), (16, 8, 1, 1), (16, 8, 3, 1)],
+               8: [(16, 8, 1, 1), (16, 8, 3, 1), (16, 12, 0, 1), (32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1)],
+               64: [(32, 8, 1, 1), (32, 8, 2, 1), (32, 4, 0, 1)]}
+    runs, worst = 0, 0.0
+    for i, (n, k) in enumerate([(20480, 2560), (2 * 1156, 448), (2 * 13, 64)]):
+        p = quantized(n, k, torch.bfloat16, 60 + i)
+        w, dense = nf4.from_bnb(p), bnb_weight(p)
+        for m in (1, 2, 8, 9, 64):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            want = fused_ops.gelu_mul_ref(F.linear(x, dense))
+            for launch_ in by_rows[min(r for r in by_rows if r >= m)]:
+                if not nf4_cuda.fits(x, w, launch_):
+                    continue
+                got = nf4_cuda.gemv(x, w, launch_, sms, gelu=True)
+                same = fused_ops.gelu_mul(nf4_cuda.gemv(x, w, launch_, sms))
+                assert got.shape == (m, n // 2) and worst_block_rel(got, same, 8) < 1e-2, (n, k, m, launch_)
+                err = rel(got, want)
+                assert err < 2e-2, (n, k, m, launch_, err)
+                assert torch.equal(nf4_cuda.gemv(x, w, launch_, sms, pdl, gelu=True), got)
+                worst, runs = max(worst, err), runs + 1
+        odd = torch.randn(1, k + 1, device="cuda").to(torch.bfloat16)[:, 1:]  # 2 bytes off a 16-byte boundary
+        got = nf4.linear(odd, w, {1: {"cuda": (16, 12, 0, 1)}}, gelu=True)
+        assert rel(got, fused_ops.gelu_mul_ref(F.linear(odd, dense))) < 2e-2
+    assert runs == 3 * (6 + 6 + 6 + 3 + 3), runs  # every launch, on every shape
+    print(f"nf4 cuda gate/up with the activation: worst relative error {worst:.1e} over {runs} launches")
+
+
 def test_nf4_products_replay_from_cuda_graphs_and_plans_choose_measured_launches():
     pytest.importorskip("bitsandbytes")
     ws = [nf4.from_bnb(quantized(2560, 2048, torch.bfloat16, s)) for s in range(4)]

@@ -76,6 +76,16 @@ def check_kernels() -> dict[str, float]:
         note("experts", [got], [moe.experts_ref(x, idx_ref, w_ref, gate_up, down)])
         other = moe.experts(x, idx, w, gate_up, down, down_launch=dict(moe.DOWN, split=not moe.DOWN["split"]))
         assert torch.equal(other, got), "the split down stage computes the same sums in the same order"
+        # the pairs' partials left for layer_out: their sum is the experts' output, and layer_out
+        # adds them to the same bits
+        part = moe.experts(x, idx, w, gate_up, down, pairs=True)
+        assert part.shape == (T * K, N) and part.dtype == torch.float32
+        assert torch.equal(moe.sum_pairs_ref(part, K, x.dtype), got)
+        args = (w1, w2, w3, scalar, w4, eps)
+        got_out = fused_ops.layer_out(h.clone(), d, part, *args, pairs=K)
+        note("layer_out of pairs", got_out, fused_ops.layer_out_ref(h, d, part, *args, pairs=K))
+        for a, b in zip(got_out, fused_ops.layer_out(h.clone(), d, got, *args)):
+            assert torch.equal(a, b), "layer_out of the pairs = layer_out of their sum"
     return worst
 
 

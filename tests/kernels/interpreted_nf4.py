@@ -154,6 +154,9 @@ def check_experts() -> float:
             for gu_launch, dn_launch in launches:
                 got = nf4_moe.experts(x, idx.int(), w, ex.gate_up, ex.down, gu_launch, dn_launch, shfl=False)
                 worst = max(worst, rel(got, want))
+                part = nf4_moe.experts(x, idx.int(), w, ex.gate_up, ex.down, gu_launch, dn_launch, shfl=False,
+                                       pairs=True)
+                assert part.shape == (T * k, H) and torch.equal(moe.sum_pairs_ref(part, k, x.dtype), got)
             worst = max(worst, rel(nf4_moe.experts_ref(x, idx, w, ex.gate_up, ex.down), want))
         if T in (3, 100):
             worst = max(worst, rel(ex.grouped(x, idx, w), want))

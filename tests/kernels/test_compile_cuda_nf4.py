@@ -78,10 +78,11 @@ def _loops(text: str) -> list[collections.Counter]:
     return [collections.Counter(op.findall("\n".join(lines[a:b + 1]))) for a, b in spans]
 
 
-@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernelILi0E", "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
+@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernelILi0E", "nf4_gemv_gelu_table_kernel", "nf4_expert_gate_up_kernel",
+                                    "nf4_expert_down_kernel"])
 def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_per_load(built, kernel):
-    """The tensor-core tile kernels' K loop (dense, and the experts' two stages), one ring stage of
-    two groups of 64 columns per iteration: the weights come from the warp's ring in shared memory
+    """The tensor-core tile kernels' K loop (dense, dense gate/up with its activation, and the
+    experts' two stages), one ring stage of two groups of 64 columns per iteration: the weights come from the warp's ring in shared memory
     (four 8-byte reads per lane, and two of the absmax), refilled by asynchronous copies past L1
     (two 16-byte copies per lane and one of the absmax), one wait on the copies in flight per stage
     and no global load but x's four vectors (and, for the experts, the expert id of the next item
@@ -99,7 +100,7 @@ def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_pe
     mmas = inner["HMMA.16816"]
     assert mmas == 8 and inner["PRMT"] == 4 * mmas and inner["LDS"] >= 4 * mmas, inner
     assert inner["LDS.64"] == 6 and inner["LDGSTS.E"] == 3 and inner["LDGDEPBAR"] == 1 and inner["DEPBAR.LE"] == 1
-    assert inner["LDG.E"] == (4 if kernel.startswith("nf4_gemv_table_kernel") else 5), inner
+    assert inner["LDG.E"] == (4 if kernel.startswith("nf4_gemv_") else 5), inner
     assert not any(op.startswith(("LDL", "STL", "SHFL")) for loop in loops for op in loop), loops
     weights = 8 * mmas  # 16 x 16 weights per mma, over 32 lanes
     assert sum(inner.values()) <= 3.5 * weights, sum(inner.values()) / weights

@@ -275,6 +275,18 @@ constexpr int tile_smem(int warps, int scratch = 0) {
   return static_cast<int>(most);
 }
 
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// gelu_tanh(g) x u of Gemma's MLP with the stock module's roundings (kernels/fused_ops.py's
+// `_gelu_mul`): the two products' outputs and the activation rounded to bf16
+__device__ __forceinline__ __nv_bfloat16 gelu_mul_bf16(float g, float u) {
+  g = round_bf16(g);
+  u = round_bf16(u);
+  const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const float a = round_bf16(0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f)));
+  return __float2bfloat16(a * u);
+}
+
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -642,6 +654,46 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles
   run_tiles<MODE>(work, code);
 }
 
+// The gate/up product of Gemma's MLP with its activation after it (W = [gate; up], N = 2I): item
+// tile / splits takes gate rows 8 tile .. 8 tile + 7 (rows past I repeat its last) as the tile's
+// first eight rows and the matching up rows, I further, as its last eight, as the experts' first
+// stage does, so that a lane holds both of an output's products. Unsplit it stores the activation
+// y [M, I]; split, each slice stores the rows' float32 partials [splits, M, N] for
+// `sum_splits_kernel` to add and activate.
+struct DenseGeluTiles : DenseTiles {
+  __device__ int count() const { return (n / 2 + 7) / 8 * splits; }
+  __device__ TileItem item(int i) const {
+    const int tile = i / splits, slice = i - tile * splits, lo = slice * groups_per_split;
+    const int half = n / 2, g0 = 8 * tile;
+    return tile_item(packed, absmax, stride_p, stride_s,
+                     [=](int r) { return min(g0 + (r & 7), half - 1) + (r >> 3) * half; },
+                     x + (size_t)min((int)(threadIdx.x & 31) >> 2, m - 1) * stride_x, lo,
+                     min(lo + groups_per_split, groups));
+  }
+  __device__ void store(int i, const float (&acc)[4]) const {
+    const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
+    const int half = n / 2, row = 8 * tile + (lane >> 2);
+    if (row >= half) return;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // lane t holds the mma's columns (x rows) 2t and 2t + 1
+      const int col = 2 * t + j;
+      if (col >= m) continue;
+      if (splits > 1) {
+        float* out = partial + ((size_t)slice * m + col) * n;
+        out[row] = acc[j];
+        out[row + half] = acc[2 + j];
+      } else {
+        y[(size_t)col * half + row] = gelu_mul_bf16(acc[j], acc[2 + j]);
+      }
+    }
+  }
+};
+
+__global__ void __launch_bounds__(512, 1) nf4_gemv_gelu_table_kernel(const DenseGeluTiles work,
+                                                                     const float* __restrict__ code) {
+  run_tiles<0>(work, code);
+}
+
 // The experts' (token, chosen expert) pairs grouped by expert, as each block of the experts' tiles
 // builds them in its shared memory after the PDL wait (the experts are the router's output): the
 // pairs in order of expert (positions), each expert's in pair order, cut into slots of at most 8
@@ -726,8 +778,6 @@ struct PairSlots {
 };
 static_assert(2 * MAX_EXPERTS * 4 + (3 * MAX_PAIRS + 2) * 2 + 4 <= SCRATCH_BYTES, "the slots fit the scratch");
 
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
 // The experts' first stage (kernels/nf4_moe.py's layout: expert e's gate rows at e * 2I of gate_up,
 // its up rows I after them), one slot of pairs at a time: item (slot, j) takes the slot's expert's
 // gate rows 8j .. 8j + 7 as the tile's first eight rows and the matching up rows as its last
@@ -762,10 +812,7 @@ struct ExpertGateUpTiles {
     for (int c = 0; c < 2; ++c) {  // lane t holds the mma's columns 2t and 2t + 1
       const int col = 2 * (lane & 3) + c;
       if (col >= sp.y) continue;
-      const float g = round_bf16(acc[c]), u = round_bf16(acc[2 + c]);
-      const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      const float a = round_bf16(0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f)));
-      act[(size_t)slots.pair(sp, col) * inter + 8 * j + (lane >> 2)] = __float2bfloat16(a * u);
+      act[(size_t)slots.pair(sp, col) * inter + 8 * j + (lane >> 2)] = gelu_mul_bf16(acc[c], acc[2 + c]);
     }
   }
 };
@@ -1034,6 +1081,25 @@ __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat
   y[i] = __float2bfloat16(v);
 }
 
+// The gate/up product's K slices added as sum_splits_kernel adds them, then its activation: y [M, I]
+// of the partials [split, M, 2I] (split 1: `partial` is the product itself, bf16 [M, 2I], `product`)
+__global__ void sum_splits_gelu_kernel(const float* __restrict__ partial, const __nv_bfloat16* __restrict__ product,
+                                       __nv_bfloat16* __restrict__ y, int m, int half, int split) {
+  pdl_enter();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= m * half) return;
+  const int row = i / half, c = i - row * half;
+  const size_t gi = (size_t)row * 2 * half + c, ui = gi + half, n = (size_t)m * 2 * half;
+  float g = 0.f, u = 0.f;
+  if (product != nullptr) {
+    g = __bfloat162float(product[gi]);
+    u = __bfloat162float(product[ui]);
+  } else {
+    for (int s = 0; s < split; ++s) g += partial[s * n + gi], u += partial[s * n + ui];
+  }
+  y[i] = gelu_mul_bf16(g, u);
+}
+
 #ifdef NF4_KERNELS_ONLY  // every product kernel a launch can pick, to read their machine code without torch
 #define KERNEL_ARGS \
   const __nv_bfloat16*, const uint8_t*, const float*, const float*, float*, __nv_bfloat16*, int, int, int, int, int
@@ -1177,19 +1243,32 @@ int64_t spread_slices(int64_t units, int length, int64_t resident, int overhead)
 // above; 3 (tiles) the product with L2 prefetching 128 bytes per copy, 4 (tiles) the product with
 // copies that read whole sectors; for the block tiles at 33-64 rows, 1 without the lookups and 6
 // without the mma. `pdl`: launched with PDL (compute capability 9.0 or newer; the caller checks).
+// `gelu`: W is Gemma's [gate; up] (N = 2I) and y [M, I] takes gelu_tanh(gate) x up: the tiles store
+// it (unsplit) or the sum of the K slices computes it, and the other kernels' product, where
+// unsplit, goes through a bf16 buffer to `sum_splits_gelu_kernel`.
 void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor code, torch::Tensor y,
               torch::Tensor partial, int64_t rows, int64_t warps, int64_t split, int64_t mode, int64_t blocks,
-              bool pdl) {
+              bool pdl, bool gelu) {
   const int n = packed.size(0), k = x.size(-1), m = x.size(0);
   check_weight(packed, absmax, code, n, k);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && m >= 1 &&
                   y.scalar_type() == torch::kBFloat16 && y.is_contiguous() &&
-                  y.numel() == static_cast<int64_t>(m) * n &&
+                  y.numel() == static_cast<int64_t>(m) * (gelu ? n / 2 : n) &&
                   warps >= 1,
-              "x [M, K] bf16 rows, y [M, N] bf16 contiguous, one warp or more");
+              "x [M, K] bf16 rows, y [M, N] bf16 contiguous ([M, N / 2] with the activation), one warp or more");
+  TORCH_CHECK(!gelu || (n % 2 == 0 && mode == 0), "the activation: an even N, the product (mode 0)");
   const c10::cuda::CUDAGuard guard(x.device());  // x's device and its current stream
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto* yp = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  auto* const act = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  // the product's output: y, or with the activation after a kernel that stores the product, a buffer
+  torch::Tensor product;
+  auto* yp = act;
+  auto unsplit_product = [&](int64_t s) {
+    if (gelu && s <= 1) {
+      product = torch::empty({m, n}, y.options());
+      yp = reinterpret_cast<__nv_bfloat16*>(product.data_ptr());
+    }
+  };
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   const auto* pp = static_cast<const uint8_t*>(packed.data_ptr<uint8_t>());
   const auto* sp = static_cast<const float*>(absmax.data_ptr<float>());
@@ -1215,6 +1294,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int per = (groups + split - 1) / split;
     split = (groups + per - 1) / per;
     part = partials(split);
+    unsplit_product(split);
     const DenseOperands work{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per};
     const int nb = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     auto kernel = nb == 2 ? nf4_block_tiles_kernel<2> : nb == 4 ? nf4_block_tiles_kernel<4>
@@ -1236,7 +1316,8 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
                 "MODE 5 reads whole tiles of a contiguous weight");
     // K is cut into slices of whole ring stages (STAGE_GROUPS groups), so that only the last slice
     // can end on a stage of one group
-    const int groups = k / 64, tiles = (n + 15) / 16, stages = (groups + STAGE_GROUPS - 1) / STAGE_GROUPS;
+    const int groups = k / 64, tiles = gelu ? (n / 2 + 7) / 8 : (n + 15) / 16;
+    const int stages = (groups + STAGE_GROUPS - 1) / STAGE_GROUPS;
     // the items over the grid's warps, an item's own cost (its x row, its store) counted as one stage
     if (split <= 0) split = spread_slices(tiles, stages, blocks * warps, 1);
     const int per = (stages + split - 1) / split * STAGE_GROUPS;
@@ -1245,7 +1326,10 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const DenseTiles work{{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per},
                           static_cast<int>(split)};
     const int64_t items = static_cast<int64_t>(tiles) * split;
-    if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    if (gelu) {
+      const DenseGeluTiles gelu_work{work};
+      launch_tiles(nf4_gemv_gelu_table_kernel, items, warps, blocks, x.device(), stream, pdl, gelu_work, cp);
+    } else if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
     else if (mode == 4) launch_tiles(nf4_gemv_table_kernel<4>, items, warps, blocks, x.device(), stream, pdl, work, cp);
@@ -1257,6 +1341,7 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const int per = (chunks + split - 1) / split;
     split = (chunks + per - 1) / per;  // every slice holds a chunk: each writes its partials
     part = partials(split);
+    unsplit_product(split);
     const int row_warps = (n + rows - 1) / rows;
     dim3 grid((row_warps + warps - 1) / warps, split);
     if (blocks > 0) grid.x = std::min<int64_t>(blocks, grid.x);  // persistent warps in `blocks` blocks
@@ -1270,7 +1355,12 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     }
     launch(kernel, grid, dim3(32 * warps), 0, stream, pdl, xp, pp, sp, cp, part, yp, n, k, stride_p, stride_s, per);
   }
-  if (split > 1) {
+  if (gelu && (split > 1 || product.defined())) {
+    const int half = n / 2;
+    launch(sum_splits_gelu_kernel, dim3((m * half + 255) / 256), dim3(256), 0, stream, pdl,
+           static_cast<const float*>(part), static_cast<const __nv_bfloat16*>(product.defined() ? yp : nullptr), act,
+           m, half, static_cast<int>(split));
+  } else if (split > 1) {
     launch(sum_splits_kernel, dim3((m * n + 255) / 256), dim3(256), 0, stream, pdl, static_cast<const float*>(part),
            yp, m * n, static_cast<int>(split));
   }
