@@ -145,7 +145,8 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
     (stage, bytes of distinct experts' weights read, current launch, {name: launch}); stage
     "gate_up" times that kernel alone through `experts` with the down launch fixed, "down" the
     other way round; in NF4, where kernels/nf4_cuda.py is built, stage "both" times the two
-    Triton kernels against that kernel's tensor-core tiles (`tiles`) for both stages."""
+    Triton kernels against that kernel's tensor-core tiles (`tiles`) for both stages. Each runs as
+    the fused forward runs it: the pairs' partials left for the layer's end to add (`pairs`)."""
     from engine.kernels import moe, nf4, nf4_cuda, nf4_moe
     from engine.model.nf4_experts import NF4Experts
 
@@ -156,8 +157,7 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
     run, current_gu, current_dn, per_weight = moe.experts, moe.GATE_UP, moe.DOWN, dtype.itemsize
     grid = [dict(block_n=bn, block_k=bk, warps=wp) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512),
                                                                   (16, 128), (16, 256)) for wp in (2, 4, 8)]
-    gu_grid = grid
-    dn_grid = [dict(launch, split=sp) for launch in grid for sp in (False, True)]
+    gu_grid = dn_grid = grid  # the down stage split per pair, as the forward runs it (`pairs`)
     if in_nf4:
         ex = NF4Experts.quantize(gate_up, down)
         gate_up, down = nf4.dequantize(ex.gate_up).view(E, 2 * inter, H), nf4.dequantize(ex.down).view(E, H, inter)
@@ -178,23 +178,24 @@ def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: b
         cands = {}
         for launch in (gu_grid if stage == "gate_up" else dn_grid):
             kw = {"gate_up_launch": launch} if stage == "gate_up" else {"down_launch": launch}
-            y = run(x, idxs[0], w, gate_up, down, **kw)
+            y = moe.sum_pairs_ref(run(x, idxs[0], w, gate_up, down, pairs=True, **kw), K, dtype)
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
-            cands[str(launch)] = [lambda kw=kw, idx=idx: run(x, idx, w, gate_up, down, **kw) for idx in idxs]
+            cands[str(launch)] = [lambda kw=kw, idx=idx: run(x, idx, w, gate_up, down, pairs=True, **kw)
+                                  for idx in idxs]
         current = current_gu if stage == "gate_up" else current_dn
         if in_nf4 and stage == "gate_up":  # the launch by token count
             current = current[min(t for t in current if t >= tokens)]
         yield stage, int(distinct * nbytes * per_weight), current, cands
     if in_nf4 and nf4_cuda.extension() is not None and nf4_cuda.experts_fit(x, gate_up, down, top_k=K):
         # both stages: the Triton kernels at their current launches, and kernels/nf4_cuda.py's tiles
-        cands = {"triton": [lambda idx=idx: run(x, idx, w, gate_up, down) for idx in idxs]}
+        cands = {"triton": [lambda idx=idx: run(x, idx, w, gate_up, down, pairs=True) for idx in idxs]}
         for tiles in nf4_cuda.EXPERT_LAUNCHES:
             if not nf4_cuda.experts_fit(x, gate_up, down, tiles, K):  # more shared memory than this GPU has
                 continue
-            y = run(x, idxs[0], w, gate_up, down, tiles=tiles)
+            y = moe.sum_pairs_ref(run(x, idxs[0], w, gate_up, down, tiles=tiles, pairs=True), K, dtype)
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
-            cands[f"tiles {tiles}"] = [lambda tiles=tiles, idx=idx: run(x, idx, w, gate_up, down, tiles=tiles)
-                                       for idx in idxs]
+            cands[f"tiles {tiles}"] = [lambda tiles=tiles, idx=idx: run(x, idx, w, gate_up, down, tiles=tiles,
+                                                                        pairs=True) for idx in idxs]
         yield "both", int(distinct * 3 * inter * H * per_weight), "triton", cands
 
 

@@ -96,7 +96,7 @@ def layer_out_ref(h, d, e, w1, w2, w_post, scalar, w_next, eps, pairs=0):
     (h', norm(h'; w_next)). `pairs` k > 0: e is the experts' unsummed float32 partials [T k, N]
     (`moe.experts(..., pairs=True)`), each token's k added in order and rounded to h's dtype
     first (`moe.sum_pairs_ref`)."""
-    if pairs:
+    if pairs and e is not None:
         e = moe.sum_pairs_ref(e, pairs, h.dtype)
     s = d if e is None else _norm(d, w1, eps, 0.0) + _norm(e, w2, eps, 0.0)
     r = (h + _norm(s, w_post, eps, 0.0)) * scalar

@@ -760,7 +760,7 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     loads; a planned None: as for more rows; a planned {"cuda": launch}: the CUDA kernel of
     nf4_cuda where it takes x); more rows dequantize W and run `F.linear`. `gelu`: W is Gemma's
     gate/up weight and the result `fused_ops.gelu_mul` of the product, [M, N / 2]: computed by
-    the CUDA kernel where it runs, else by that kernel after the product."""
+    the CUDA kernel where it runs, else by `fused_ops.gelu_mul` after the product."""
     _check(x, w)
     m = x.shape[0]
     if not _use_triton(x):

@@ -152,8 +152,9 @@ def gemv(x: torch.Tensor, w, launch: tuple[int, int, int, int], sms: int, pdl: b
     for the block tiles at 33-64 rows of x, 1 without the lookups, 6 without the mma, 2 and 3
     without x's and without the weights' copies past the ring's first groups). `gelu`: W is Gemma's
     gate/up weight [gate; up] and the result gelu_tanh(gate) x up [M, N / 2], with the roundings
-    of `fused_ops.gelu_mul` after the product (the tiles compute it as they store, the others in
-    the kernel that adds the K slices)."""
+    of `fused_ops.gelu_mul` after the product (unsplit tiles compute it as they store; otherwise
+    the kernel that adds the K slices does, or, for an unsplit product of the other kernels, one
+    that reads it from a bf16 buffer the launcher allocates)."""
     rows, warps, split, per_sm = launch
     y = torch.empty((x.shape[0], w.shape[0] // 2 if gelu else w.shape[0]), dtype=x.dtype, device=x.device)
     # the launcher allocates the float32 partials of a K split (it settles the split), so y stands
@@ -187,8 +188,9 @@ def experts_fit(x: torch.Tensor, gate_up, down, launch: tuple[int, int] | None =
 def experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, gate_up, down,
             launch: tuple[int, int], sms: int, pdl: bool = False) -> torch.Tensor:
     """The experts' two stages on tiles (`experts_fit` must hold): x [T, H] -> the (token, expert)
-    pairs' float32 partials [T k, H], each weighted by the router, for moe's `_sum_pairs` to add
-    (kernels/nf4_moe.py). `launch`: (warps per block, blocks per SM)."""
+    pairs' float32 partials [T k, H], each weighted by the router, for moe's `_sum_pairs` (or
+    `fused_ops.layer_out(..., pairs=k)`) to add (kernels/nf4_moe.py). `launch`: (warps per block,
+    blocks per SM)."""
     warps, per_sm = launch
     T, k = experts_idx.shape
     inter, hidden = down.shape[1], x.shape[1]

@@ -17,7 +17,7 @@ viewed as 2-D (groups of 64 along a row), so a row of one expert is a row of the
 Where kernels/nf4_cuda.py is built, `experts(..., tiles=launch)` runs both stages on its
 tensor-core tiles instead (the pairs grouped by expert, up to 8 of one expert per tile, each
 weight byte's two codes looked up at once, the codes rounded to bf16 as tensor cores take them;
-the same roundings of the outputs, and the same `_sum_pairs`).
+the same roundings of the outputs, and the same `_sum_pairs`, or `pairs`).
 
 The products are those of the exact weights (code x absmax in float32), within a rounding of
 the library's, which rounds each weight to the compute dtype first; each product's output and

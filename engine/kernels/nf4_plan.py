@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import moe, nf4_cuda, nf4_moe
+from engine.kernels.fused_ops import gelu_mul
 from engine.kernels.nf4 import MAX_KERNEL_ROWS, NF4Weight, dequantize, launch_for, nf4_matmul, triton, with_split
 
 # launches `plan_nf4` times per row count (block_m, block_n, block_k, warps, stages, swap[,
@@ -51,7 +52,7 @@ def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[int, dict | None]:
+def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True, gelu: bool = False) -> dict[int, dict | None]:
     """Per planned row count (NF4_CANDIDATES), the fastest `nf4_matmul` launch on these
     same-shaped weights (a product with each in turn, as a forward runs its layers), timed from
     a CUDA graph, launched with PDL where `pdl_for(rows)` says the forward will. Each launch is
@@ -63,13 +64,16 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
     TIMED_ELEMENTS (test models) are planned with `launch_for`'s launches alone. At 1-64 rows of
     bf16 activations the CUDA kernel's launches (nf4_cuda.candidates, where it is built and
     `cuda`) that take x (`nf4_cuda.fits`) are checked and timed beside the Triton ones, as
-    {"cuda": launch}."""
+    {"cuda": launch}. `gelu`: the weights are the MLP's gate/up, which `nf4.linear(..., gelu=True)`
+    runs: the CUDA launches are checked and timed with the activation they compute, the Triton
+    ones with `gelu_mul` after them."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.small_linear import graph_ms
 
     w0 = weights[0]
     n, k = w0.shape
+    act = (lambda y, pdl: gelu_mul(y, pdl)) if gelu else (lambda y, pdl: y)  # what follows the product
     sms = torch.cuda.get_device_properties(w0.device).multi_processor_count
     dense = dequantize(w0)
     plan: dict[int, dict | None] = {}
@@ -97,7 +101,8 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
                     tried.append(cfg)
                     if not good(x, cfg):
                         continue
-                    t = graph_ms(lambda cfg=cfg: [nf4_matmul(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
+                    t = graph_ms(lambda cfg=cfg: [act(nf4_matmul(x, w, **cfg, pdl=pdl), pdl) for w in weights],
+                                 reps=3)
                     if best is None or t < best:
                         best, plan[m] = t, cfg
             if best is not None:
@@ -105,16 +110,17 @@ def plan_nf4(weights: list[NF4Weight], pdl_for=None, cuda: bool = True) -> dict[
             shfl = False  # the shuffle lookup disagrees (or does not compile) here: loads from now on
         if (m <= nf4_cuda.MAX_X_ROWS and cuda and n * k >= TIMED_ELEMENTS and x.dtype == torch.bfloat16
                 and nf4_cuda.extension()):
-            want = F.linear(x, dense)
+            want = act(F.linear(x, dense), False)
             for launch in nf4_cuda.candidates(m):
                 if not nf4_cuda.fits(x, w0, launch):
                     continue
                 try:
-                    if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl), want):
+                    if not agrees(nf4_cuda.gemv(x, w0, launch, sms, pdl, gelu=gelu), want):
                         continue
                 except RuntimeError:  # a launch this GPU refuses (resources)
                     continue
-                t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms, pdl) for w in weights], reps=3)
+                t = graph_ms(lambda launch=launch: [nf4_cuda.gemv(x, w, launch, sms, pdl, gelu=gelu) for w in weights],
+                             reps=3)
                 if best is None or t < best:
                     best, plan[m] = t, {"cuda": launch}
     rows = max(NF4_CANDIDATES)

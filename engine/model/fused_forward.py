@@ -212,11 +212,12 @@ def fuse_rows(linears: list) -> torch.Tensor | NF4Weight | Int8Weight:
     return fused
 
 
-def plan_projection(weights: list, pdl_for) -> dict[int, dict]:
+def plan_projection(weights: list, pdl_for, gelu: bool = False) -> dict[int, dict]:
     """The launches per row count for one projection of every layer (same-shaped weights): NF4
-    weights' `plan_nf4`, else `plan_gemv`'s few-row products that beat the library's."""
+    weights' `plan_nf4` (`gelu`: the MLP's gate/up, planned as `project_gelu` runs it), else
+    `plan_gemv`'s few-row products that beat the library's."""
     if isinstance(weights[0], NF4Weight):
-        return plan_nf4(weights, pdl_for=pdl_for)
+        return plan_nf4(weights, pdl_for=pdl_for, gelu=gelu)
     if isinstance(weights[0], Int8Weight):
         return {}  # one kernel for every row count (quant.py)
     return plan_gemv(weights, pdl_for=pdl_for)
@@ -321,7 +322,7 @@ class FusedGemma3(FusedDecoder):
             assert a.wqkv.shape == b.wqkv.shape  # one (H, Hkv, D) for all layers in Gemma 3
         # per projection, the row counts (decode batches of a few rows) where one gemv kernel
         # reads the weight faster than the library's product; measured here, on this GPU
-        self.plans = {name: plan_projection([getattr(L, name) for L in self.layers], self.pdl_for)
+        self.plans = {name: plan_projection([getattr(L, name) for L in self.layers], self.pdl_for, name == "wgu")
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})

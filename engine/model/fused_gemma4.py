@@ -174,7 +174,7 @@ class FusedGemma4(FusedDecoder):
                 groups.setdefault((name, tuple(w.shape)), []).append(w)
             if L.experts is not None:
                 groups.setdefault(("router", tuple(L.experts.router.shape)), []).append(L.experts.router)
-        self.plans = {key: plan_projection(ws, self.pdl_for) for key, ws in groups.items()}
+        self.plans = {key: plan_projection(ws, self.pdl_for, key[0] == "wgu") for key, ws in groups.items()}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items() if v})
         # per decode token count, whether NF4 experts run on the CUDA kernel's tensor-core tiles

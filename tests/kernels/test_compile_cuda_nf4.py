@@ -78,19 +78,20 @@ def _loops(text: str) -> list[collections.Counter]:
     return [collections.Counter(op.findall("\n".join(lines[a:b + 1]))) for a, b in spans]
 
 
-@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernelILi0E", "nf4_gemv_gelu_table_kernel", "nf4_expert_gate_up_kernel",
-                                    "nf4_expert_down_kernel"])
+@pytest.mark.parametrize("kernel", ["nf4_gemv_table_kernelILi0E", "nf4_gemv_gelu_table_kernel",
+                                    "nf4_expert_gate_up_kernel", "nf4_expert_down_kernel"])
 def test_the_tile_kernels_stream_weights_through_a_ring_and_look_up_two_codes_per_load(built, kernel):
-    """The tensor-core tile kernels' K loop (dense, dense gate/up with its activation, and the
-    experts' two stages), one ring stage of two groups of 64 columns per iteration: the weights come from the warp's ring in shared memory
-    (four 8-byte reads per lane, and two of the absmax), refilled by asynchronous copies past L1
-    (two 16-byte copies per lane and one of the absmax), one wait on the copies in flight per stage
-    and no global load but x's four vectors (and, for the experts, the expert id of the next item
-    the copies move to, with its slot of pairs); each byte's two codes by one byte permute (the
-    table address) and one shared-memory load, four per mma of 16 x 16 weights; no spills or local
-    memory. The loop holds the copies' move to the next work item (a division by the items per tile,
-    taken once per item), so its budget is 3.5 instructions per weight a lane multiplies, all paths
-    counted; the loop over work items around it has no local memory either."""
+    """The tensor-core tile kernels' K loop (dense, dense gate/up with its activation, and the experts'
+    two stages), one ring stage of two groups of 64 columns per iteration: the weights come from
+    the warp's ring in shared memory (four 8-byte reads per lane, and two of the absmax),
+    refilled by asynchronous copies past L1 (two 16-byte copies per lane and one of the absmax),
+    one wait on the copies in flight per stage and no global load but x's four vectors (and, for
+    the experts, the expert id of the next item the copies move to, with its slot of pairs);
+    each byte's two codes by one byte permute (the table address) and one shared-memory load,
+    four per mma of 16 x 16 weights; no spills or local memory. The loop holds the copies' move
+    to the next work item (a division by the items per tile, taken once per item), so its budget
+    is 3.5 instructions per weight a lane multiplies, all paths counted; the loop over work
+    items around it has no local memory either."""
     log, sass = built
     assert re.search(kernel, log)
     part = next(p for p in re.split(r"\n(?=\s*\.text\.)", sass) if re.match(rf"\s*\.text\.\S*{kernel}", p))

@@ -624,9 +624,14 @@ struct DenseTiles : DenseOperands {
 
   __device__ int count() const { return (n + 15) / 16 * splits; }
   __device__ TileItem item(int i) const {
-    const int tile = i / splits, slice = i - tile * splits, lo = slice * groups_per_split;
-    const int r0 = 16 * tile, last = n - 1;
-    return tile_item(packed, absmax, stride_p, stride_s, [=](int r) { return min(r0 + r, last); },
+    const int tile = i / splits, r0 = 16 * tile, last = n - 1;
+    return slice_item(i - tile * splits, [=](int r) { return min(r0 + r, last); });
+  }
+  // K slice `slice` of the tile rows row(0 .. 15), against the lane's x row
+  template <class Row>
+  __device__ TileItem slice_item(int slice, Row row) const {
+    const int lo = slice * groups_per_split;
+    return tile_item(packed, absmax, stride_p, stride_s, row,
                      x + (size_t)min((int)(threadIdx.x & 31) >> 2, m - 1) * stride_x, lo,
                      min(lo + groups_per_split, groups));
   }
@@ -659,16 +664,12 @@ __global__ void __launch_bounds__(512, 1) nf4_gemv_table_kernel(const DenseTiles
 // first eight rows and the matching up rows, I further, as its last eight, as the experts' first
 // stage does, so that a lane holds both of an output's products. Unsplit it stores the activation
 // y [M, I]; split, each slice stores the rows' float32 partials [splits, M, N] for
-// `sum_splits_kernel` to add and activate.
+// `sum_splits_gelu_kernel` to add and activate.
 struct DenseGeluTiles : DenseTiles {
   __device__ int count() const { return (n / 2 + 7) / 8 * splits; }
   __device__ TileItem item(int i) const {
-    const int tile = i / splits, slice = i - tile * splits, lo = slice * groups_per_split;
-    const int half = n / 2, g0 = 8 * tile;
-    return tile_item(packed, absmax, stride_p, stride_s,
-                     [=](int r) { return min(g0 + (r & 7), half - 1) + (r >> 3) * half; },
-                     x + (size_t)min((int)(threadIdx.x & 31) >> 2, m - 1) * stride_x, lo,
-                     min(lo + groups_per_split, groups));
+    const int tile = i / splits, half = n / 2, g0 = 8 * tile;
+    return slice_item(i - tile * splits, [=](int r) { return min(g0 + (r & 7), half - 1) + (r >> 3) * half; });
   }
   __device__ void store(int i, const float (&acc)[4]) const {
     const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
@@ -1082,7 +1083,8 @@ __global__ void sum_splits_kernel(const float* __restrict__ partial, __nv_bfloat
 }
 
 // The gate/up product's K slices added as sum_splits_kernel adds them, then its activation: y [M, I]
-// of the partials [split, M, 2I] (split 1: `partial` is the product itself, bf16 [M, 2I], `product`)
+// of the float32 partials [split, M, 2I], or, where `product` is not null (an unsplit product of
+// the one-row or block kernels), of that bf16 product [M, 2I] (`partial` unused)
 __global__ void sum_splits_gelu_kernel(const float* __restrict__ partial, const __nv_bfloat16* __restrict__ product,
                                        __nv_bfloat16* __restrict__ y, int m, int half, int split) {
   pdl_enter();
