@@ -186,7 +186,7 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     done ;;
   fused-ends)  # the MLP's activation computed by its NF4 gate/up product's kernels, and the experts'
     # (token, expert) partials added by the layer's end kernel: STEPS of tests (both trees' extensions
-    # built, the NF4 kernels' GPU tests that take them, the Gemma 4 kernels against their references,
+    # built, the NF4 kernels' GPU tests that take them and the plans' test, the Gemma 4 kernels against their references,
     # the engines' greedy tokens on NF4 against bitsandbytes), moe (4-bit decode of the 26B-A4B shape at
     # DECODE_N, default 8), dense (4-bit Gemma-3 4B at N=1), each this tree then BEFORE, same machine
     for step in ${STEPS:-tests moe dense}; do
@@ -194,7 +194,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
         tests)
           stage_build
           timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda_nf4.py \
-            tests/equivalence/test_cuda.py -k "activation or experts_match or greedy_tokens or gemma4_kernels_match" \
+            tests/equivalence/test_cuda.py \
+            -k "activation or plans_choose or experts_match or greedy_tokens or gemma4_kernels_match" \
             2>&1 | tee "$OUT/cuda-tests-fused-ends.log" | grep -v "^\.$" \
             | grep -E "passed|failed|Error|error|nf4 cuda|nf4 experts|greedy|bfloat16:|float32:" | tail -20 ;;
         moe)
