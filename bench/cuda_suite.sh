@@ -186,9 +186,10 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-cuda.log" | grep -v "^==PROF=
     done ;;
   fused-ends)  # the MLP's activation computed by its NF4 gate/up product's kernels, and the experts'
     # (token, expert) partials added by the layer's end kernel: STEPS of tests (both trees' extensions
-    # built, the NF4 kernels' GPU tests that take them and the plans' test, the Gemma 4 kernels against their references,
-    # the engines' greedy tokens on NF4 against bitsandbytes), moe (4-bit decode of the 26B-A4B shape at
-    # DECODE_N, default 8), dense (4-bit Gemma-3 4B at N=1), each this tree then BEFORE, same machine
+    # built, the NF4 kernels' GPU tests that take them and the plans' test, the Gemma 4 kernels
+    # against their references, the engines' greedy tokens on NF4 against bitsandbytes), moe (4-bit
+    # decode of the 26B-A4B shape at DECODE_N, default 8), dense (4-bit Gemma-3 4B at N=1), each this
+    # tree then BEFORE, same machine
     for step in ${STEPS:-tests moe dense}; do
       case $step in
         tests)
