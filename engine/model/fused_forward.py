@@ -12,7 +12,7 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
   next layer's input norm, or the final norm after the last layer)
 
 (gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
-the CUDA kernel of kernels/nf4_cuda.py: `project_gelu`.)
+the CUDA kernel of kernels/nf4_cuda.py: `project`'s `gelu`.)
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
@@ -214,7 +214,7 @@ def fuse_rows(linears: list) -> torch.Tensor | NF4Weight | Int8Weight:
 
 def plan_projection(weights: list, pdl_for, gelu: bool = False) -> dict[int, dict]:
     """The launches per row count for one projection of every layer (same-shaped weights): NF4
-    weights' `plan_nf4` (`gelu`: the MLP's gate/up, planned as `project_gelu` runs it), else
+    weights' `plan_nf4` (`gelu`: the MLP's gate/up, planned as `project(..., gelu=True)` runs it), else
     `plan_gemv`'s few-row products that beat the library's."""
     if isinstance(weights[0], NF4Weight):
         return plan_nf4(weights, pdl_for=pdl_for, gelu=gelu)
@@ -223,24 +223,21 @@ def plan_projection(weights: list, pdl_for, gelu: bool = False) -> dict[int, dic
     return plan_gemv(weights, pdl_for=pdl_for)
 
 
-def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for) -> torch.Tensor:
-    """x [T, in] @ w^T with `plan_projection`'s plan for w's projection."""
-    if isinstance(w, NF4Weight):
-        return nf4.linear(x, w, plan, pdl_for(x.shape[0]))
-    if isinstance(w, Int8Weight):
-        return w.matmul(x.contiguous())
-    cfg = plan.get(x.shape[0])
-    return F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl_for(x.shape[0]))
-
-
-def project_gelu(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for) -> torch.Tensor:
-    """gelu_tanh(gate) x up of `project(x, w, ...)`, w the MLP's [gate; up] weight: NF4 weights
-    compute it in their product's CUDA kernel where that runs (`nf4.linear`'s `gelu`), one launch
-    fewer; otherwise `gelu_mul` after the product."""
+def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for,
+            gelu: bool = False) -> torch.Tensor:
+    """x [T, in] @ w^T with `plan_projection`'s plan for w's projection. `gelu`: w is the MLP's
+    [gate; up] weight and the result gelu_tanh(gate) x up: NF4 weights compute it in their
+    product's CUDA kernel where that runs (`nf4.linear`'s `gelu`), one launch fewer; otherwise
+    `gelu_mul` follows the product."""
     pdl = pdl_for(x.shape[0])
     if isinstance(w, NF4Weight):
-        return nf4.linear(x, w, plan, pdl, gelu=True)
-    return gelu_mul(project(x, w, plan, pdl_for), pdl=pdl)
+        return nf4.linear(x, w, plan, pdl, gelu=gelu)
+    if isinstance(w, Int8Weight):
+        y = w.matmul(x.contiguous())
+    else:
+        cfg = plan.get(x.shape[0])
+        y = F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl)
+    return gelu_mul(y, pdl=pdl) if gelu else y
 
 
 class FusedDecoder:
@@ -333,8 +330,8 @@ class FusedGemma3(FusedDecoder):
                                cfg.num_attention_heads, cfg.num_key_value_heads)
         return _Layer(**common, softcap=attn.attn_logit_softcapping)
 
-    def _project(self, x: torch.Tensor, L: _Layer, name: str) -> torch.Tensor:
-        return project(x, getattr(L, name), self.plans[name], self.pdl_for)
+    def _project(self, x: torch.Tensor, L: _Layer, name: str, gelu: bool = False) -> torch.Tensor:
+        return project(x, getattr(L, name), self.plans[name], self.pdl_for, gelu)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,
@@ -348,7 +345,7 @@ class FusedGemma3(FusedDecoder):
             a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
             o = self._project(a, L, "wo")
             h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl, cpu=cpu)
-            m = project_gelu(x, L.wgu, self.plans["wgu"], self.pdl_for)
+            m = self._project(x, L, "wgu", gelu=True)
             d = self._project(m, L, "wd")
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl, cpu=cpu)

@@ -10,10 +10,11 @@ layer this forward runs:
   x -> [Q|K|V] = x Wqkv^T (full layers with values equal to keys: [Q|K]) -> qk_norm_rope (Q and
   K norms and RoPE, V's scale-free norm) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
   post-attention norm, and the three inputs of what follows: the dense MLP's, the experts' and
-  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul (`project_gelu`) -> D = m Wd^T) and,
-  beside it, router logits -> router_topk -> experts (kernels/moe.py) -> layer_out (the sum of
-  each token's expert partials, the MLP and experts' post-norms, their sum, the post-MLP norm, the
-  residual add, the layer scalar and the next layer's input norm)
+  the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul, in the product where `project`'s
+  `gelu` can -> D = m Wd^T) and, beside it, router logits -> router_topk -> experts
+  (kernels/moe.py) -> layer_out (the sum of each token's expert partials, the MLP and experts'
+  post-norms, their sum, the post-MLP norm, the residual add, the layer scalar and the next
+  layer's input norm)
 
 Prefill chunks of more than `moe.MAX_TOKENS` tokens run the model's own experts module (its
 grouped products have whole tiles of tokens per expert there). Models with per-layer input
@@ -37,7 +38,7 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.model.fused_forward import (FusedDecoder, LayerWeights, decoder_unsupported, layer_weights, plan_projection,
-                                        project, project_gelu, projections_unsupported)
+                                        project, projections_unsupported)
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import moe, nf4, nf4_moe
@@ -192,8 +193,8 @@ class FusedGemma4(FusedDecoder):
                                attn.k_proj.out_features // attn.head_dim)
         return _Layer(**common, scalar=layer.layer_scalar, v_from_k=attn.v_proj is None, experts=_experts(layer))
 
-    def _project(self, x: torch.Tensor, w, name: str) -> torch.Tensor:
-        return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for)
+    def _project(self, x: torch.Tensor, w, name: str, gelu: bool = False) -> torch.Tensor:
+        return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for, gelu)
 
     def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The experts' output and how many partials a token has in it: the kernels leave each
@@ -226,8 +227,7 @@ class FusedGemma4(FusedDecoder):
             else:
                 h, x, x_experts, x_router = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, 0.0,
                                                         also=(X.pre_norm, X.router_in), pdl=pdl)
-            d = self._project(project_gelu(x, L.wgu, self.plans[("wgu", tuple(L.wgu.shape))], self.pdl_for), L.wd,
-                              "wd")
+            d = self._project(self._project(x, L.wgu, "wgu", gelu=True), L.wd, "wd")
             e, pairs = (None, 0) if X is None else self._experts(X, x_router, x_experts)
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = layer_out(h, d, e, X.post_mlp if X else None, X.post_norm if X else None, L.post_ff, L.scalar,

@@ -113,7 +113,8 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         extra = {"logprobs": logprobs_format.session(ids_out, lps)} if params.logprobs is not None else {}
         if last is None:
             return JSONResponse({"text": text, "token_ids": ids_out, **extra, "type": "done", "finish_reason": "abort"})
-        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last, ids_out)}, headers=headers)
+        return JSONResponse({"text": text, "token_ids": ids_out, **extra, **await final(last, ids_out)},
+                            headers=headers)
 
     async def events():
         sampled: list[int] = []

@@ -636,20 +636,26 @@ struct DenseTiles : DenseOperands {
                      min(lo + groups_per_split, groups));
   }
   __device__ void store(int i, const float (&acc)[4]) const {
-    const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
-    const int ra = 16 * tile + (lane >> 2), rb = ra + 8;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // lane t holds the mma's columns (x rows) 2t and 2t + 1
-      const int col = 2 * t + j;
-      if (col >= m) continue;
-      if (splits > 1) {
-        float* out = partial + ((size_t)slice * m + col) * n;
+    const int tile = i / splits, ra = 16 * tile + ((threadIdx.x & 31) >> 2), rb = ra + 8;
+    each_column(i - tile * splits, [&](int j, int col, float* out) {
+      if (out != nullptr) {
         if (ra < n) out[ra] = acc[j];
         if (rb < n) out[rb] = acc[2 + j];
       } else {
         if (ra < n) y[(size_t)col * n + ra] = __float2bfloat16(acc[j]);
         if (rb < n) y[(size_t)col * n + rb] = __float2bfloat16(acc[2 + j]);
       }
+    });
+  }
+  // f(j, col, out) for the lane's mma columns col = 2t + j (lane t of its row's four) that are rows
+  // of x; out: row col of K slice `slice`'s float32 partials where K is split, else null
+  template <class F>
+  __device__ void each_column(int slice, F f) const {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 2 * t + j;
+      if (col < m) f(j, col, splits > 1 ? partial + ((size_t)slice * m + col) * n : nullptr);
     }
   }
 };
@@ -672,21 +678,16 @@ struct DenseGeluTiles : DenseTiles {
     return slice_item(i - tile * splits, [=](int r) { return min(g0 + (r & 7), half - 1) + (r >> 3) * half; });
   }
   __device__ void store(int i, const float (&acc)[4]) const {
-    const int tile = i / splits, slice = i - tile * splits, lane = threadIdx.x & 31, t = lane & 3;
-    const int half = n / 2, row = 8 * tile + (lane >> 2);
+    const int tile = i / splits, half = n / 2, row = 8 * tile + ((threadIdx.x & 31) >> 2);
     if (row >= half) return;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // lane t holds the mma's columns (x rows) 2t and 2t + 1
-      const int col = 2 * t + j;
-      if (col >= m) continue;
-      if (splits > 1) {
-        float* out = partial + ((size_t)slice * m + col) * n;
+    each_column(i - tile * splits, [&](int j, int col, float* out) {
+      if (out != nullptr) {
         out[row] = acc[j];
         out[row + half] = acc[2 + j];
       } else {
         y[(size_t)col * half + row] = gelu_mul_bf16(acc[j], acc[2 + j]);
       }
-    }
+    });
   }
 };
 
@@ -1328,15 +1329,16 @@ void nf4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch
     const DenseTiles work{{xp, pp, sp, part, yp, n, m, static_cast<int>(x.stride(0)), stride_p, stride_s, groups, per},
                           static_cast<int>(split)};
     const int64_t items = static_cast<int64_t>(tiles) * split;
-    if (gelu) {
-      const DenseGeluTiles gelu_work{work};
-      launch_tiles(nf4_gemv_gelu_table_kernel, items, warps, blocks, x.device(), stream, pdl, gelu_work, cp);
-    } else if (mode == 1) launch_tiles(nf4_gemv_table_kernel<1>, items, warps, blocks, x.device(), stream, pdl, work, cp);
-    else if (mode == 2) launch_tiles(nf4_gemv_table_kernel<2>, items, warps, blocks, x.device(), stream, pdl, work, cp);
-    else if (mode == 3) launch_tiles(nf4_gemv_table_kernel<3>, items, warps, blocks, x.device(), stream, pdl, work, cp);
-    else if (mode == 4) launch_tiles(nf4_gemv_table_kernel<4>, items, warps, blocks, x.device(), stream, pdl, work, cp);
-    else if (mode == 5) launch_tiles(nf4_gemv_table_kernel<5>, items, warps, blocks, x.device(), stream, pdl, work, cp);
-    else launch_tiles(nf4_gemv_table_kernel<0>, items, warps, blocks, x.device(), stream, pdl, work, cp);
+    auto tiles_of = [&](auto kernel, const auto& w) {
+      launch_tiles(kernel, items, warps, blocks, x.device(), stream, pdl, w, cp);
+    };
+    if (gelu) tiles_of(nf4_gemv_gelu_table_kernel, DenseGeluTiles{work});
+    else if (mode == 1) tiles_of(nf4_gemv_table_kernel<1>, work);
+    else if (mode == 2) tiles_of(nf4_gemv_table_kernel<2>, work);
+    else if (mode == 3) tiles_of(nf4_gemv_table_kernel<3>, work);
+    else if (mode == 4) tiles_of(nf4_gemv_table_kernel<4>, work);
+    else if (mode == 5) tiles_of(nf4_gemv_table_kernel<5>, work);
+    else tiles_of(nf4_gemv_table_kernel<0>, work);
   } else {
     TORCH_CHECK(m == 1 && mode >= 0 && mode <= 2, "1-8 weight rows per warp take one row of x (modes 0-2)");
     const int chunks = k / 32;
