@@ -236,12 +236,9 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
-        dt = Out.dtype.element_ty
         g = tl.load(GU + t * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(GU + t * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = (0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))).to(dt).to(tl.float32)
-        tl.store(Out + t * inter + cols, (a * u).to(dt), mask=m)
+        moe.store_activation(g, u, Out + t * inter + cols, m)
 
 
 def _warps(n: int) -> int:

@@ -121,12 +121,14 @@ if triton is not None:
             u = tl.load(wu + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-        _store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
+        store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
 
     @triton.jit
-    def _store_activation(acc_g, acc_u, out, mask):
+    def store_activation(acc_g, acc_u, out, mask):
         """gelu_tanh(gate) * up from float32 sums, each product's output and the activation
-        rounded to the output's dtype, where the stock module rounds them."""
+        rounded to the output's dtype, where the stock module rounds them. Every Triton kernel
+        that stores Gemma's MLP activation stores it here (the experts', `fused_ops.gelu_mul`'s,
+        `small_linear.gemv`'s with `gelu`)."""
         dt = out.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)

@@ -38,7 +38,7 @@ try:
     import triton.language as tl
 
     from engine.kernels.launch import pdl_enter
-    from engine.kernels.moe import _store_activation, _sum_pairs
+    from engine.kernels.moe import store_activation, _sum_pairs
     from engine.kernels.nf4 import _codes, _gemv_tile, _x_tile
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
@@ -96,7 +96,7 @@ if triton is not None:
                               X16, BF16, EVEN, STAGES)
         acc_u = _nf4_rows_dot(P, S, C, gate_rows + inter, nm, xr, H, stride_p, stride_s, gi, j, BLOCK_N, BLOCK_K,
                               SHFL, X16, BF16, EVEN, STAGES)
-        _store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
+        store_activation(acc_g, acc_u, Act + p * inter + rn, nm)
 
     @triton.jit
     def _nf4_expert_down_pairs(Act, Experts, Weights, P, S, C, Part, H, inter, stride_p, stride_s,

@@ -26,6 +26,7 @@ try:
     import triton.language as tl
 
     from engine.kernels.launch import pdl_enter
+    from engine.kernels.moe import store_activation
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -72,30 +73,53 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
+                     MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GELU: tl.constexpr = False,
+                     GDC: tl.constexpr = False):
+        """Y[:, n] = X @ W[n]; with GELU, W is [gate; up] (2N rows) and Y[:, n] = gelu_tanh(X @
+        W[n]) * (X @ W[N + n]): the program streams both rows and stores the activation."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, MP)
         nm = rn < N
         mm = rm < M
         acc = tl.zeros([MP, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([MP, BLOCK_N], tl.float32)  # GELU only
+        W_up = W + N * stride_wn
         k_first = 0
         if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
             rk = tl.arange(0, BLOCK_K)
             km = rk < K
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if GELU:
+                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
+                               other=0.0)
             pdl_enter(GDC)
             x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc += _rows_dot(x, w)
+            if GELU:
+                acc_up += _rows_dot(x, w_up)
             k_first = BLOCK_K
         for k0 in range(k_first, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             km = rk < K
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if GELU:
+                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
+                               other=0.0)
             x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mm[:, None] & nm[None, :])
+            acc += _rows_dot(x, w)
+            if GELU:
+                acc_up += _rows_dot(x, w_up)
+        out = Y + rm[:, None] * stride_ym + rn[None, :]
+        if GELU:
+            store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
+        else:
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _rows_dot(x, w):
+        """x [MP, BLOCK_K] . w [BLOCK_N, BLOCK_K] -> [MP, BLOCK_N] in float32."""
+        return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 def _splits(n: int, k: int, sms: int) -> int:
@@ -124,19 +148,22 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tenso
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
-         stages: int = 3, pdl: bool = False) -> torch.Tensor:
+         stages: int = 3, pdl: bool = False, gelu: bool = False) -> torch.Tensor:
     """x [M, K] (a few rows, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype, one
     kernel: each program streams `block_n` weight rows once for all M rows (no split, no reduce
     pass), so a matrix-vector product of a few MB is one launch that reads its weight once.
     `pdl` (kernels/launch.py): launched early, each program reads its first weight tile while
-    the kernel before it finishes, and only then waits for x."""
+    the kernel before it finishes, and only then waits for x. `gelu`: weight is Gemma's MLP
+    [gate; up] and the result `fused_ops.gelu_mul` of the product, [M, N / 2], to the same bits:
+    each program streams `block_n` gate rows and their up rows and stores the activation, so no
+    second kernel runs."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gelu else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        **kernel_args(pdl))
+        MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, GELU=gelu, num_warps=warps,
+        num_stages=stages, **kernel_args(pdl))
     return y
 
 
@@ -213,30 +240,36 @@ GEMV_CANDIDATES = (
 GEMV_ROWS = (1, 2, 4, 8)
 
 
-def gemv_fits(cfg: dict, rows: int) -> bool:
-    """Whether a launch's per-tile products ([rows, block_n, block_k] in float32) come to at
-    most 256 values a thread, as four weight rows of 1,024 columns on four warps do at eight rows
-    of x; wider ones spill and are not timed."""
+def gemv_fits(cfg: dict, rows: int, gelu: bool = False) -> bool:
+    """Whether a launch's per-tile products ([rows, block_n, block_k] in float32, twice with
+    `gelu`) come to at most 256 values a thread, as four weight rows of 1,024 columns on four
+    warps do at eight rows of x; wider ones spill and are not timed."""
     mp = max(1, 1 << (rows - 1).bit_length())
-    return mp * cfg["block_n"] * cfg["block_k"] <= 256 * 32 * cfg["warps"]
+    return mp * cfg["block_n"] * cfg["block_k"] * (2 if gelu else 1) <= 256 * 32 * cfg["warps"]
 
 
 @torch.no_grad()
-def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl_for=None) -> dict[int, dict]:
+def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl_for=None,
+              gelu: bool = False) -> dict[int, dict]:
     """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
     (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
     between calls), timed from a CUDA graph, launched with PDL where `pdl_for(rows)` says the
-    forward will launch it so. Row counts where the library is fastest are absent."""
+    forward will launch it so. Row counts where the library is fastest are absent. `gelu`: the
+    MLP's gate/up weights, timed as `fused_forward.project` runs them: `gemv(..., gelu=True)`
+    against `F.linear` followed by `fused_ops.gelu_mul`."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
+    from engine.kernels.fused_ops import gelu_mul
+
     w0 = weights[0]
     plan = {}
     for m in rows:
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
-        best = graph_ms(lambda: [F.linear(x, w) for w in weights], reps=3)
-        for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m)):
-            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl) for w in weights], reps=3)
+        best = graph_ms(lambda: [gelu_mul(F.linear(x, w), pdl=pdl) if gelu else F.linear(x, w) for w in weights],
+                        reps=3)
+        for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m, gelu)):
+            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl, gelu=gelu) for w in weights], reps=3)
             if t < best:
                 best, plan[m] = t, cfg
     return plan

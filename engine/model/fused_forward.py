@@ -12,7 +12,7 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
   next layer's input norm, or the final norm after the last layer)
 
 (gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
-the CUDA kernel of kernels/nf4_cuda.py: `project`'s `gelu`.)
+the CUDA kernel of kernels/nf4_cuda.py, or a planned `gemv` runs it: `project`'s `gelu`.)
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
@@ -214,21 +214,21 @@ def fuse_rows(linears: list) -> torch.Tensor | NF4Weight | Int8Weight:
 
 def plan_projection(weights: list, pdl_for, gelu: bool = False) -> dict[int, dict]:
     """The launches per row count for one projection of every layer (same-shaped weights): NF4
-    weights' `plan_nf4` (`gelu`: the MLP's gate/up, planned as `project(..., gelu=True)` runs it), else
-    `plan_gemv`'s few-row products that beat the library's."""
+    weights' `plan_nf4`, else `plan_gemv`'s few-row products that beat the library's (`gelu`: the
+    MLP's gate/up, planned as `project(..., gelu=True)` runs it)."""
     if isinstance(weights[0], NF4Weight):
         return plan_nf4(weights, pdl_for=pdl_for, gelu=gelu)
     if isinstance(weights[0], Int8Weight):
         return {}  # one kernel for every row count (quant.py)
-    return plan_gemv(weights, pdl_for=pdl_for)
+    return plan_gemv(weights, pdl_for=pdl_for, gelu=gelu)
 
 
 def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for,
             gelu: bool = False) -> torch.Tensor:
     """x [T, in] @ w^T with `plan_projection`'s plan for w's projection. `gelu`: w is the MLP's
-    [gate; up] weight and the result gelu_tanh(gate) x up: NF4 weights compute it in their
-    product's CUDA kernel where that runs (`nf4.linear`'s `gelu`), one launch fewer; otherwise
-    `gelu_mul` follows the product."""
+    [gate; up] weight and the result gelu_tanh(gate) x up: the product's own kernel computes it
+    where that is NF4's CUDA kernel (`nf4.linear`'s `gelu`) or the planned `gemv`, one launch
+    fewer; otherwise `gelu_mul` follows the product."""
     pdl = pdl_for(x.shape[0])
     if isinstance(w, NF4Weight):
         return nf4.linear(x, w, plan, pdl, gelu=gelu)
@@ -236,7 +236,9 @@ def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict],
         y = w.matmul(x.contiguous())
     else:
         cfg = plan.get(x.shape[0])
-        y = F.linear(x, w) if cfg is None else gemv(x, w, **cfg, pdl=pdl)
+        if cfg is not None:
+            return gemv(x, w, **cfg, pdl=pdl, gelu=gelu)
+        y = F.linear(x, w)
     return gelu_mul(y, pdl=pdl) if gelu else y
 
 

@@ -286,10 +286,43 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, pdl, err)
     weights = [torch.randn(2048, 2560, device="cuda", generator=gen).to(dtype) for _ in range(8)]
     for pdl in (False, True):
-        plan = plan_gemv(weights, pdl_for=lambda rows: pdl)
-        print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}): {plan}")
-        assert set(plan) <= set(GEMV_ROWS)
-        assert all(cfg in GEMV_CANDIDATES and gemv_fits(cfg, rows) for rows, cfg in plan.items())
+        for gelu in (False, True):
+            plan = plan_gemv(weights, pdl_for=lambda rows: pdl, gelu=gelu)
+            print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}, gelu {gelu}): {plan}")
+            assert set(plan) <= set(GEMV_ROWS)
+            assert all(cfg in GEMV_CANDIDATES and gemv_fits(cfg, rows, gelu) for rows, cfg in plan.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_gate_up_with_its_activation_equals_the_product_then_gelu_mul(dtype):
+    """`gemv(..., gelu=True)` (the MLP's [gate; up] weight, gelu_tanh(gate) x up stored by the
+    product's kernel) with every candidate launch that fits, 1..8 rows, on Gemma-3 1B's gate/up
+    shape and odd ones (I not a multiple of a program's rows, K not of its tile), with and
+    without PDL: the same bits as `fused_ops.gelu_mul` of the same launch's product (each program
+    computes the gate and up rows as the plain launch does, and the activation is the one Triton
+    function every activation kernel stores with), and near the float64 reference."""
+    import torch.nn.functional as F
+
+    from engine.kernels import fused_ops
+    from engine.kernels.small_linear import GEMV_CANDIDATES, gemv, gemv_fits
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    runs = 0
+    for n, k in [(2 * 6912, 1152), (2 * 333, 1000), (2 * 5, 130)]:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
+        for m in (1, 2, 3, 8):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+            want = fused_ops.gelu_mul_ref(F.linear(x.double(), w.double()))
+            for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m, gelu=True)):
+                got = gemv(x, w, **cfg, gelu=True)
+                assert got.shape == (m, n // 2) and got.dtype == dtype, (n, k, m, cfg)
+                assert torch.equal(got, fused_ops.gelu_mul(gemv(x, w, **cfg))), (n, k, m, cfg)
+                assert torch.equal(gemv(x, w, **cfg, pdl=True, gelu=True), got), (n, k, m, cfg)
+                err = ((got.double() - want).norm() / want.norm()).item()
+                assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (n, k, m, cfg, err)
+                runs += 1
+    assert runs >= 3 * 4 * 4, runs
+    print(f"gemv gate/up with the activation, {dtype}: {runs} launches, each equal to gelu_mul of its product")
 
 
 def test_substituted_linears_keep_model_outputs():
@@ -569,10 +602,10 @@ def test_cuda_pdl_launches_change_nothing(family, monkeypatch):
 
     plans = {}
 
-    def plan_once(weights, rows=small_linear.GEMV_ROWS, pdl_for=None):
-        key = (tuple(weights[0].shape), weights[0].dtype, len(weights), rows)
+    def plan_once(weights, rows=small_linear.GEMV_ROWS, pdl_for=None, gelu=False):
+        key = (tuple(weights[0].shape), weights[0].dtype, len(weights), rows, gelu)
         if key not in plans:
-            plans[key] = small_linear.plan_gemv(weights, rows, pdl_for)
+            plans[key] = small_linear.plan_gemv(weights, rows, pdl_for, gelu)
         return plans[key]
 
     monkeypatch.setattr(fused_forward, "plan_gemv", plan_once)  # both families plan through fused_forward

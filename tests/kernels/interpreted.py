@@ -20,7 +20,7 @@ import torch
 from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model import fused_forward, fused_gemma4
 from engine.model.kernel_check import gemma4_kernels_disagree
-from engine.kernels import fused_ops, moe
+from engine.kernels import fused_ops, moe, small_linear
 from engine.model.loader import LoadedModel
 from tests.helpers import tiny_gemma4
 
@@ -64,6 +64,14 @@ def check_kernels() -> dict[str, float]:
              fused_ops.layer_out_ref(h, d, e, w1, w2, w3, scalar, w4, eps))
         note("layer_out dense", fused_ops.layer_out(h.clone(), d, None, None, None, w3, scalar, w4, eps),
              fused_ops.layer_out_ref(h, d, None, None, None, w3, scalar, w4, eps))
+        # the few-row product, and with the MLP's activation stored by its own kernel (the bits
+        # of gelu_mul after it: the same sums, the same activation function)
+        wgu = torch.randn(2 * 37, N) * 0.2
+        for cfg in small_linear.GEMV_CANDIDATES[:3]:
+            note("gemv", [small_linear.gemv(h, wgu, **cfg)], [h @ wgu.T])
+            got = small_linear.gemv(h, wgu, **cfg, gelu=True)
+            note("gemv gelu", [got], [fused_ops.gelu_mul_ref(h @ wgu.T)])
+            assert torch.equal(got, fused_ops.gelu_mul(small_linear.gemv(h, wgu, **cfg)))
         E, K, inter = 16, 4, 40  # an expert width that is not a multiple of the blocks
         scale = torch.rand(E) + 0.5
         logits = torch.randn(T, E) * 2

@@ -785,7 +785,7 @@ static_assert(2 * MAX_EXPERTS * 4 + (3 * MAX_PAIRS + 2) * 2 + 4 <= SCRATCH_BYTES
 // gate rows 8j .. 8j + 7 as the tile's first eight rows and the matching up rows as its last
 // eight, against the slot's tokens (the mma's columns), and stores gelu_tanh(gate) * up for those
 // 8 columns of each pair's activation, each product and the activation rounded to bf16 where the
-// stock module rounds them (as moe.py's _store_activation).
+// stock module rounds them (as moe.py's store_activation).
 struct ExpertGateUpTiles {
   const __nv_bfloat16* x;  // [T, H]
   const int* experts;      // [T * top_k], the pairs' experts
