@@ -9,8 +9,9 @@ partial per split and sums them in a second kernel (deterministic, no atomics); 
 very wide output (the vocabulary head), go to `F.linear` unchanged.
 
 `gemv` is the one-kernel variant for the engine's fused forward: no split, each program streams a
-few weight rows once for all the batch's rows. `plan_gemv` times it against `F.linear` on a
-model's own weights and keeps it only where it wins.
+few weight rows once for all the batch's rows (for the MLP's gate/up, with `gelu`, it also stores
+the activation). `plan_gemv` times it against `F.linear` (followed by `gelu_mul` for gate/up) on
+a model's own weights and keeps it only where it wins.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     each program streams `block_n` gate rows and their up rows and stores the activation, so no
     second kernel runs."""
     m, k = x.shape
+    assert not gelu or weight.shape[0] % 2 == 0, "gelu takes a [gate; up] weight"
     n = weight.shape[0] // 2 if gelu else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -225,9 +227,10 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
     return best
 
 
-# gemv launches tried per row count by `plan_gemv` (from `python -m bench.tune_kernels`: on an
-# H100, programs of one or two weight rows won every Gemma-3 1B and 4B projection at one row and
-# all but gate/up at two; those of four rows had won on an H200 before the narrower ones were tried)
+# gemv launches tried per row count by `plan_gemv` (from `python -m bench.tune_kernels`, plain
+# products: on an H100, programs of one or two weight rows won every Gemma-3 1B and 4B projection
+# at one row and all but gate/up at two; those of four rows had won on an H200 before the narrower
+# ones were tried). The gate/up plans with the activation try the same launches.
 GEMV_CANDIDATES = (
     dict(block_n=4, block_k=1024, warps=4, stages=4),
     dict(block_n=4, block_k=1024, warps=4, stages=3),

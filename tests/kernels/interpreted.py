@@ -21,7 +21,7 @@ from engine import Engine, EngineConfig, Request, SamplingParams
 from engine.model import fused_forward, fused_gemma4
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels import fused_ops, moe, small_linear
-from engine.model.loader import LoadedModel
+from engine.model.loader import LoadedModel, tiny_random_model
 from tests.helpers import tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -135,6 +135,46 @@ def check_forward() -> tuple[bool, float, int]:
     return outs[0] == outs[1], diff, len(logits[1])
 
 
+def check_gemma3_forward_on_gemv() -> tuple[bool, float, int]:
+    """The engine on the fused Gemma 3 forward with every projection of a decode step on `gemv`,
+    the MLP's gate/up with its activation stored by the same kernel (`project`'s `gelu`), against
+    the stock layers. There is nothing to time here, so the plans are given: one launch at 1-4
+    rows (the engine's decode batches), the library's product for prefill chunks."""
+    launch = small_linear.GEMV_CANDIDATES[0]
+    assert small_linear.gemv_fits(launch, 4, gelu=True)
+    planned = []
+
+    def plan_gemv(weights, rows=small_linear.GEMV_ROWS, pdl_for=None, gelu=False):
+        planned.append(gelu)
+        return {m: launch for m in (1, 2, 4)}
+
+    good = fused_forward.plan_gemv
+    fused_forward.plan_gemv = plan_gemv
+    try:
+        outs, logits = [], []
+        for fused in (True, False):
+            cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
+                               max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
+            eng = Engine(cfg, LoadedModel(tiny_random_model(5), None, "tiny-random"))
+            assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
+            seen = {}
+            eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
+            for i, n in enumerate((5, 23, 9)):
+                eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)),
+                                        SamplingParams(max_tokens=6, ignore_eos=True)))
+            out: dict[str, list[int]] = {}
+            while eng.has_work():
+                for o in eng.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outs.append(out)
+            logits.append(seen)
+    finally:
+        fused_forward.plan_gemv = good
+    assert sorted(planned) == [False, False, False, True], planned  # Q/K/V, O, down; gate/up with gelu
+    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
+    return outs[0] == outs[1], diff, len(logits[1])
+
+
 def main() -> None:
     fused_forward._rope_angles = lambda *a: None  # RoPE from tables (no libdevice here)
     worst = check_kernels()
@@ -155,6 +195,10 @@ def main() -> None:
     same, diff, steps = check_forward()
     print(f"fused Gemma 4 forward on the kernels vs stock: tokens equal {same}, max |logit diff| {diff:.1e} "
           f"over {steps} steps")
+    assert same and diff < 1e-3
+    same, diff, steps = check_gemma3_forward_on_gemv()
+    print(f"fused Gemma 3 forward on gemv (gate/up with its activation) vs stock: tokens equal {same}, "
+          f"max |logit diff| {diff:.1e} over {steps} steps")
     assert same and diff < 1e-3
     print("OK")
 

@@ -187,12 +187,13 @@ def test_the_mma_kernel_decodes_codes_into_fragments_without_shared_memory():
     assert sum(counts.values()) <= 5.5 * weights, counts  # 4.1 (Triton 3.6), 5.1 (3.9: moves of the tables)
 
 
-@pytest.mark.parametrize("gelu", [False, True])
-def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl(gelu):
-    """`small_linear._gemv_kernel` at the plans' widest launch (four weight rows of 1,024 columns;
-    with `gelu`, two gate rows and their two up rows) and eight rows of x, launched with PDL:
-    it compiles for Hopper and waits on the grid dependency (`griddepcontrol`), after its first
-    weight tiles are requested."""
+
+def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl():
+    """`small_linear._gemv_kernel` at two weight rows of 1,024 columns a program and eight rows of
+    x, launched with PDL, plain and with `gelu`: both compile for Hopper and wait on the grid
+    dependency (`griddepcontrol`) only after requesting their first weight tiles, with `gelu` the
+    gate's and the up's (twice the plain kernel's loads before the wait), and only the activation
+    takes an exp."""
     triton = pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -202,11 +203,13 @@ def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl(gelu)
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_ym": "i32", "MP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "GELU": "constexpr", "GDC": "constexpr"}
-    kernel = triton.compile(ASTSource(fn=small_linear._gemv_kernel, signature=sig,
-                                      constexprs=dict(MP=8, BLOCK_N=2 if gelu else 4, BLOCK_K=1024, GELU=gelu,
-                                                      GDC=True)),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx
-    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), "the first weight tile is read before the wait"
-    assert ("ex2.approx" in ptx) == gelu, "the activation's exp only with gelu"
+    before_wait = {}
+    for gelu in (False, True):
+        kernel = triton.compile(ASTSource(fn=small_linear._gemv_kernel, signature=sig,
+                                          constexprs=dict(MP=8, BLOCK_N=2, BLOCK_K=1024, GELU=gelu, GDC=True)),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        ptx = kernel.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx
+        assert ("ex2.approx" in ptx) == gelu, "the activation's exp only with gelu"
+        before_wait[gelu] = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+    assert before_wait[False] >= 1 and before_wait[True] == 2 * before_wait[False], before_wait
