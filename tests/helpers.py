@@ -33,6 +33,24 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
+def greedy_agreement(engine_for, lengths: tuple[int, ...], tokens: int) -> tuple[bool, float, int]:
+    """Two engines, `engine_for(True)` and `engine_for(False)`, each given the same prompts at once
+    (token ids from 3 + i, one request of `lengths[i]` tokens each) and run to `tokens` greedy
+    tokens: whether their tokens are equal, the largest |logit difference| over every step of
+    every request, and how many such steps there were."""
+    outs, logits = [], []
+    for which in (True, False):
+        engine = engine_for(which)
+        seen = {}
+        engine.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
+        out = run_all(engine, [Request(f"r{i}", list(range(3 + i, 3 + i + n)), greedy(tokens))
+                               for i, n in enumerate(lengths)])
+        outs.append(out)
+        logits.append(seen)
+    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
+    return outs[0] == outs[1], diff, len(logits[1])
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,

@@ -17,12 +17,12 @@ import os
 
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams
+from engine import Engine, EngineConfig
 from engine.model import fused_forward, fused_gemma4
 from engine.model.kernel_check import gemma4_kernels_disagree
 from engine.kernels import fused_ops, moe, small_linear
 from engine.model.loader import LoadedModel, tiny_random_model
-from tests.helpers import tiny_gemma4
+from tests.helpers import greedy_agreement, tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 # the kernels take CPU tensors here
@@ -117,22 +117,7 @@ def check_forward() -> tuple[bool, float, int]:
         assert not fused or eng.runner.fused.rope is None
         return eng
 
-    outs, logits = [], []
-    for fused in (True, False):
-        eng = engine(fused)
-        seen = {}
-        eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
-        for i, n in enumerate((5, 23, 9)):
-            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=6,
-                                                                                             ignore_eos=True)))
-        out: dict[str, list[int]] = {}
-        while eng.has_work():
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        outs.append(out)
-        logits.append(seen)
-    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
-    return outs[0] == outs[1], diff, len(logits[1])
+    return greedy_agreement(engine, (5, 23, 9), 6)
 
 
 def check_gemma3_forward_on_gemv() -> tuple[bool, float, int]:
@@ -148,31 +133,21 @@ def check_gemma3_forward_on_gemv() -> tuple[bool, float, int]:
         planned.append(gelu)
         return {m: launch for m in (1, 2, 4)}
 
+    def engine(fused: bool) -> Engine:
+        cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
+                           max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
+        eng = Engine(cfg, LoadedModel(tiny_random_model(5), None, "tiny-random"))
+        assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
+        return eng
+
     good = fused_forward.plan_gemv
     fused_forward.plan_gemv = plan_gemv
     try:
-        outs, logits = [], []
-        for fused in (True, False):
-            cfg = EngineConfig(model="tiny-random", kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22,
-                               max_num_batched_tokens=16, max_rows=4, decode_graphs=True, fused_layers=fused)
-            eng = Engine(cfg, LoadedModel(tiny_random_model(5), None, "tiny-random"))
-            assert (type(eng.runner.fused).__name__ == "FusedGemma3") == fused
-            seen = {}
-            eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
-            for i, n in enumerate((5, 23, 9)):
-                eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)),
-                                        SamplingParams(max_tokens=6, ignore_eos=True)))
-            out: dict[str, list[int]] = {}
-            while eng.has_work():
-                for o in eng.step():
-                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
-            outs.append(out)
-            logits.append(seen)
+        result = greedy_agreement(engine, (5, 23, 9), 6)
     finally:
         fused_forward.plan_gemv = good
     assert sorted(planned) == [False, False, False, True], planned  # Q/K/V, O, down; gate/up with gelu
-    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
-    return outs[0] == outs[1], diff, len(logits[1])
+    return result
 
 
 def main() -> None:

@@ -16,12 +16,12 @@ import os
 
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams
+from engine import Engine, EngineConfig
 from engine.kernels import fused_ops, moe, nf4, nf4_moe
 from engine.model import fused_forward, nf4_experts, nf4_linear
 from engine.model.nf4_experts import NF4Experts
 from engine.model.loader import LoadedModel, tiny_random_model
-from tests.helpers import tiny_gemma4
+from tests.helpers import greedy_agreement, tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 fused_ops._use_triton = nf4._use_triton = moe._use_triton = lambda x: True  # the kernels take CPU tensors here
@@ -203,8 +203,7 @@ def quantize_cpu(model):
 def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[bool, float, int]:
     """The engine on the fused forward (repacked NF4 linears, the kernels) against the engine's
     stock layers on bitsandbytes' own Linear4bit forward, greedy, several rows at once."""
-    outs, logits = [], []
-    for fused in (True, False):
+    def engine(fused: bool) -> Engine:
         if family == "gemma3":
             model = quantize_cpu(tiny_random_model(7))
         else:  # every projection, router and expert a whole number of groups wide
@@ -221,19 +220,9 @@ def check_forward(family: str, lengths: tuple[int, ...], tokens: int) -> tuple[b
         assert (eng.runner.fused is not None) == fused
         assert ("NF4Linear" in kinds and "Linear4bit" not in kinds) if fused else ("NF4Linear" not in kinds)
         assert ("NF4Experts" in kinds) == (fused and family == "gemma4")
-        seen = {}
-        eng.logits_hook = lambda rid, pos, row, seen=seen: seen.__setitem__((rid, pos), row.detach().clone())
-        for i, n in enumerate(lengths):
-            eng.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=tokens,
-                                                                                             ignore_eos=True)))
-        out: dict[str, list[int]] = {}
-        while eng.has_work():
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        outs.append(out)
-        logits.append(seen)
-    diff = max((logits[0][k] - logits[1][k]).abs().max().item() for k in logits[1])
-    return outs[0] == outs[1], diff, len(logits[1])
+        return eng
+
+    return greedy_agreement(engine, lengths, tokens)
 
 
 def check_repack_keeps_what_it_refuses() -> None:
