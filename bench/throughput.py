@@ -105,6 +105,7 @@ def run_engine(loaded, policy: str, prompts, new_tokens: int, device: str, warm_
         "token_budget": engine.scheduler.token_budget,
         "layers": "fused" if engine.runner.fused is not None else "stock",
         "pdl": engine.runner.pdl,
+        "plans": launch_plans(engine.runner.fused),
     }
     del engine, dec  # the pool and the captured graphs go before the next run
     if device.startswith("cuda"):
@@ -124,6 +125,18 @@ class _StepClock:
 
 
 @torch.inference_mode()
+def launch_plans(fused) -> dict:
+    """The fused forward's planned launches per projection and row count (`plan_gemv` in
+    kernels/small_linear.py, `plan_nf4` in kernels/nf4_plan.py), as text; a row count absent from
+    a projection's plan runs the library's product. Empty without a fused forward, or where
+    nothing is timed (the CPU)."""
+    if fused is None:
+        return {}
+    return {"/".join(map(str, key)) if isinstance(key, tuple) else key: {str(rows): repr(cfg) for rows, cfg in
+                                                                        sorted(plan.items())}
+            for key, plan in fused.plans.items()}
+
+
 def run_hf(model, prompts, new_tokens: int, pad_id: int, static: bool = False) -> dict:
     """Batched HF generate. Decode rate over the steps after the first token (every row decodes
     together in HF), the same definition as the engine's; TTFT = time to the first step.
