@@ -124,7 +124,6 @@ class _StepClock:
         return scores
 
 
-@torch.inference_mode()
 def launch_plans(fused) -> dict:
     """The fused forward's planned launches per projection and row count (`plan_gemv` in
     kernels/small_linear.py, `plan_nf4` in kernels/nf4_plan.py), as text; a row count absent from
@@ -137,6 +136,7 @@ def launch_plans(fused) -> dict:
             for key, plan in fused.plans.items()}
 
 
+@torch.inference_mode()
 def run_hf(model, prompts, new_tokens: int, pad_id: int, static: bool = False) -> dict:
     """Batched HF generate. Decode rate over the steps after the first token (every row decodes
     together in HF), the same definition as the engine's; TTFT = time to the first step.
