@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import hf_adapter
-from engine.kernels import l2_prefetch, launch
+from engine.kernels import launch
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
@@ -326,26 +325,6 @@ class FusedGemma3(FusedDecoder):
                       for name in ("wqkv", "wo", "wgu", "wd")}
         if any(self.plans.values()):
             log.info("gemv for few-row products: %s", {k: sorted(v) for k, v in self.plans.items()})
-        self.prefetch = self._prefetch_points(int(os.environ.get("S5_L2_PREFETCH_MB", "0")) << 20)
-        # the prefetches run beside the step's chain of kernels, on a stream of their own
-        self.side = torch.cuda.Stream(self.layers[0].wqkv.device) if self.prefetch else None
-
-    def _prefetch_points(self, cap: int) -> list[tuple[l2_prefetch.Regions, l2_prefetch.Regions]] | None:
-        """Per layer, what to bring into L2 after its Q/K/V product (its O weight and the first
-        `cap` bytes of gate/up, half from the gate rows, half from the up rows, the order the
-        product reads them) and after its down product (the next layer's Q/K/V weight)."""
-        L0 = self.layers[0]
-        if not cap or not all(isinstance(getattr(L0, n), torch.Tensor) for n in ("wqkv", "wo", "wgu", "wd")) \
-                or not l2_prefetch.supported(L0.wqkv.device):
-            return None
-        points = []
-        for n, L in enumerate(self.layers):
-            half = L.wgu.numel() * L.wgu.element_size() // 2
-            after_qkv = l2_prefetch.Regions([(L.wo, 0, cap), (L.wgu, 0, cap // 2), (L.wgu, half, cap // 2)])
-            nxt = self.layers[n + 1].wqkv if n + 1 < len(self.layers) else None
-            after_down = l2_prefetch.Regions([(nxt, 0, cap)] if nxt is not None else [])
-            points.append((after_qkv, after_down))
-        return points
 
     def _layer(self, index: int, layer, cfg) -> _Layer:
         attn = layer.self_attn
@@ -364,29 +343,14 @@ class FusedGemma3(FusedDecoder):
         h, tables, pdl = self._embed(input_ids, positions)
         eps, cpu = self.eps, self.cpu
         x = rmsnorm(h, self.layers[0].in_norm, eps, pdl=pdl, cpu=cpu)
-        prefetch = self.prefetch if pdl else None
-        main = torch.cuda.current_stream() if prefetch else None
-
-        def beside(regions):  # the prefetch starts when the kernel just launched ends, off the chain
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                l2_prefetch.prefetch(regions)
-
         for n, L in enumerate(self.layers):
-            qkv = self._project(x, L, "wqkv")
-            if prefetch:
-                beside(prefetch[n][0])
-            a = self._attend(qkv, L, positions, tables, step, L.softcap, pdl)
+            a = self._attend(self._project(x, L, "wqkv"), L, positions, tables, step, L.softcap, pdl)
             o = self._project(a, L, "wo")
             h, x = add_rmsnorm(h, o, L.post_attn, L.pre_ff, eps, pdl=pdl, cpu=cpu)
             m = self._project(x, L, "wgu", gelu=True)
             d = self._project(m, L, "wd")
-            if prefetch:
-                beside(prefetch[n][1])
             nxt = self.layers[n + 1].in_norm if n + 1 < len(self.layers) else self.final_norm
             h, x = add_rmsnorm(h, d, L.post_ff, nxt, eps, pdl=pdl, cpu=cpu)
-        if prefetch:
-            main.wait_stream(self.side)
         if logits_index is not None:
             x = x[logits_index]
         return hf_adapter.output_logits(self.model, x)
