@@ -117,9 +117,6 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
     grid = [(bn, bk, w, st) for (bn, bk) in ((1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512),
                                              (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256))
             for w in (2, 4, 8) for st in (3, 4) if mp * bn * bk <= 128 * 32 * w and (bn <= 2 or w > 2)]
-    # programs that walk several blocks of rows each (`per_sm` programs per SM, the persistent kernel)
-    persistent = [(bn, bk, w, per_sm) for (bn, bk) in ((1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (8, 512))
-                  for w in (4, 8) for per_sm in (2, 4, 8) if mp * bn * bk <= 128 * 32 * w]
     for name, (n, k) in {"qkv": ((H + 2 * Hkv) * D, hid), "o": (hid, H * D), "gate_up": (2 * inter, hid),
                          "down": (hid, inter)}.items():
         ncopy = copies_for(n * k * dtype.itemsize)
@@ -139,10 +136,6 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
             cfg = dict(block_n=bn, block_k=bk, warps=w_, stages=st)
             check(sl.gemv(x, ws[0], **cfg))
             cands[f"gemv bn{bn} bk{bk} w{w_} s{st}"] = [lambda w=w, cfg=cfg: sl.gemv(x, w, **cfg) for w in ws]
-        for bn, bk, w_, per_sm in persistent:
-            cfg = dict(block_n=bn, block_k=bk, warps=w_, stages=1, per_sm=per_sm)
-            check(sl.gemv(x, ws[0], **cfg))
-            cands[f"gemv bn{bn} bk{bk} w{w_} ps{per_sm}"] = [lambda w=w, cfg=cfg: sl.gemv(x, w, **cfg) for w in ws]
         yield name, n * k * dtype.itemsize, lib, split, cands
 
 
@@ -286,16 +279,9 @@ def main() -> None:
                     print(f"{proj:8} {rows:2} {floor:6.1f} {t_lib:7.1f} {nbytes / t_lib / 1e3:5.0f}GB/s "
                           f"{t_split:7.1f} {nbytes / t_split / 1e3:5.0f}GB/s {best_us:7.1f} "
                           f"{nbytes / best_us / 1e3:5.0f}GB/s  {best}")
-                    # the fastest launch of each kernel: one program per block, and the persistent one
-                    one_per_block = next((t, k) for t, k in timed if " ps" not in k)
-                    persistent = next(((t, k) for t, k in timed if " ps" in k), (None, None))
-                    print(f"{'':12} one program a block {one_per_block[0]:7.1f}  {one_per_block[1]}; "
-                          f"persistent {persistent[0]:7.1f}  {persistent[1]}")
                     results["linear"].append(dict(
                         shape=name, proj=proj, rows=rows, bytes=nbytes, floor_us=floor, f_linear_us=t_lib,
-                        split_k_us=t_split, best=best, best_us=best_us, top=[dict(us=t, launch=k) for t, k in timed[:6]],
-                        best_one_per_block=dict(us=one_per_block[0], launch=one_per_block[1]),
-                        best_persistent=dict(us=persistent[0], launch=persistent[1])))
+                        split_k_us=t_split, best=best, best_us=best_us, top=[dict(us=t, launch=k) for t, k in timed[:6]]))
             out.write_text(json.dumps({**meta, **results}, indent=1))  # after each shape: a cut run keeps its part
             print(f"wrote {out}")
 

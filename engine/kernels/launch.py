@@ -61,19 +61,6 @@ def supported(device: torch.device) -> bool:
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA device, for kernels that size their grids by them;
-    4 elsewhere (Triton's interpreter on the CPU runs such kernels with a few programs)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 MAX_ACTIVATIONS = 16384  # the largest forward launched with PDL: tokens x hidden size
 
 

@@ -50,6 +50,7 @@ Without Triton, or off CUDA (tests), `dequantize_ref` and `F.linear` compute the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 
 from engine.kernels import nf4_cuda
 from engine.kernels.fused_ops import gelu_mul
-from engine.kernels.launch import kernel_args, sm_count
+from engine.kernels.launch import kernel_args
 
 try:
     import triton
@@ -747,6 +748,11 @@ def launch_for(m: int, n: int, k: int, sms: int, shfl: bool = False) -> dict:
     return with_split(cand, m, n, k, sms, shfl=shfl)
 
 
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = None,
            pdl: bool = False, gelu: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N]: up to MAX_KERNEL_ROWS rows the fused kernel, with the plan's
@@ -760,7 +766,9 @@ def linear(x: torch.Tensor, w: NF4Weight, plan: dict[int, dict | None] | None = 
     if not _use_triton(x):
         y = F.linear(x, dequantize_ref(w))
         return gelu_mul(y) if gelu else y
-    sms = sm_count(x.device)
+    sms = 4  # Triton's interpreter on the CPU
+    if x.is_cuda:
+        sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     cfg = None
     if m <= MAX_KERNEL_ROWS:
         planned = [r for r in (plan or {}) if r >= m]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.launch import kernel_args, sm_count
+from engine.kernels.launch import kernel_args
 
 try:
     import triton
@@ -85,90 +85,37 @@ if triton is not None:
         mm = rm < M
         acc = tl.zeros([MP, BLOCK_N], tl.float32)
         acc_up = tl.zeros([MP, BLOCK_N], tl.float32)  # GELU only
+        W_up = W + N * stride_wn
         k_first = 0
         if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
-            w, w_up = _weight_tile(W, N, K, stride_wn, rn, nm, 0, BLOCK_K, GELU)
+            rk = tl.arange(0, BLOCK_K)
+            km = rk < K
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if GELU:
+                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
+                               other=0.0)
             pdl_enter(GDC)
-            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, 0, w, w_up, acc, acc_up, BLOCK_K, GELU)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += _rows_dot(x, w)
+            if GELU:
+                acc_up += _rows_dot(x, w_up)
             k_first = BLOCK_K
         for k0 in range(k_first, K, BLOCK_K):
-            w, w_up = _weight_tile(W, N, K, stride_wn, rn, nm, k0, BLOCK_K, GELU)
-            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, GELU)
-        _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU)
-
-    @triton.jit
-    def _gemv_persistent_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                                MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                GELU: tl.constexpr = False, GDC: tl.constexpr = False):
-        """`_gemv_kernel`'s products and sums with fewer programs than blocks of weight rows:
-        program p of G takes blocks p, p + G, p + 2G, ... and walks all their K tiles in one
-        loop, storing a block's rows at its last tile. Each step requests the next tile's weights
-        (the next block's first, at a block's last) before it multiplies the tile it holds, so a
-        program keeps two tiles in flight and none starts or ends between blocks. A block's
-        tiles are summed in the same order as in `_gemv_kernel`: the same bits."""
-        pid = tl.program_id(0)
-        G = tl.num_programs(0)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, G) * k_tiles  # the launcher gives every program a block
-        rm = tl.arange(0, MP)
-        mm = rm < M
-        acc = tl.zeros([MP, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([MP, BLOCK_N], tl.float32)  # GELU only
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        w, w_up = _weight_tile(W, N, K, stride_wn, rn, rn < N, 0, BLOCK_K, GELU)
-        pdl_enter(GDC)  # with GDC the first tile was requested before the wait, as in _gemv_kernel
-        for i in range(0, total):
-            j = i + 1
-            rn_next = (pid + (j // k_tiles) * G) * BLOCK_N + tl.arange(0, BLOCK_N)
-            # past the program's last tile, rn_next is past N: nothing is read
-            w_next, w_up_next = _weight_tile(W, N, K, stride_wn, rn_next, rn_next < N, (j % k_tiles) * BLOCK_K,
-                                             BLOCK_K, GELU)
-            kt = i % k_tiles
-            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, kt * BLOCK_K, w, w_up, acc, acc_up, BLOCK_K,
-                                        GELU)
-            acc, acc_up = _store_at_last_tile(Y, stride_ym, rm, mm, rn, rn < N, acc, acc_up, kt, k_tiles, GELU)
-            rn, w, w_up = rn_next, w_next, w_up_next
-
-    @triton.jit
-    def _weight_tile(W, N, K, stride_wn, rn, nm, k0, BLOCK_K: tl.constexpr, GELU: tl.constexpr):
-        """Weight rows `rn`, columns k0 .. k0 + BLOCK_K; with GELU also their up rows (N further)."""
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mask = nm[:, None] & (rk < K)[None, :]
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
-        w_up = w
-        if GELU:
-            w_up = tl.load(W + (N + rn[:, None]) * stride_wn + rk[None, :], mask=mask, other=0.0)
-        return w, w_up
-
-    @triton.jit
-    def _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K: tl.constexpr,
-                      GELU: tl.constexpr):
-        """The sums of x's rows, columns k0 .. k0 + BLOCK_K, with a weight tile (and its up rows)."""
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0)
-        acc += _rows_dot(x, w)
-        if GELU:
-            acc_up += _rows_dot(x, w_up)
-        return acc, acc_up
-
-    @triton.jit
-    def _store_at_last_tile(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, kt, k_tiles, GELU: tl.constexpr):
-        """After K tile `kt` of a block: at its last tile the block's rows are stored and the sums
-        start again from zero."""
-        last = (rn * 0 + kt) == k_tiles - 1  # [BLOCK_N]
-        _store_rows(Y, stride_ym, rm, mm, rn, nm & last, acc, acc_up, GELU)
-        zero = last[None, :]
-        return tl.where(zero, 0.0, acc), tl.where(zero, 0.0, acc_up)
-
-    @triton.jit
-    def _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU: tl.constexpr):
-        """Y[rm, rn] = the sums (with GELU, the activation of gate and up) where mm x nm."""
+            rk = k0 + tl.arange(0, BLOCK_K)
+            km = rk < K
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if GELU:
+                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
+                               other=0.0)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc += _rows_dot(x, w)
+            if GELU:
+                acc_up += _rows_dot(x, w_up)
         out = Y + rm[:, None] * stride_ym + rn[None, :]
-        mask = mm[:, None] & nm[None, :]
         if GELU:
-            store_activation(acc, acc_up, out, mask)
+            store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
         else:
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
     def _rows_dot(x, w):
@@ -202,7 +149,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tenso
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, warps: int = 4,
-         stages: int = 3, pdl: bool = False, gelu: bool = False, per_sm: int = 0) -> torch.Tensor:
+         stages: int = 3, pdl: bool = False, gelu: bool = False) -> torch.Tensor:
     """x [M, K] (a few rows, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype, one
     kernel: each program streams `block_n` weight rows once for all M rows (no split, no reduce
     pass), so a matrix-vector product of a few MB is one launch that reads its weight once.
@@ -210,18 +157,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     the kernel before it finishes, and only then waits for x. `gelu`: weight is Gemma's MLP
     [gate; up] and the result `fused_ops.gelu_mul` of the product, [M, N / 2], to the same bits:
     each program streams `block_n` gate rows and their up rows and stores the activation, so no
-    second kernel runs. `per_sm`: at most that many programs per SM, each walking several blocks
-    of `block_n` rows in one pipelined loop (`_gemv_persistent_kernel`; the same sums, so the
-    same bits); 0: one program per block."""
+    second kernel runs."""
     m, k = x.shape
     assert not gelu or weight.shape[0] % 2 == 0, "gelu takes a [gate; up] weight"
     n = weight.shape[0] // 2 if gelu else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(n, block_n)
-    kernel = _gemv_kernel
-    if per_sm:
-        kernel, blocks = _gemv_persistent_kernel, min(blocks, per_sm * sm_count(x.device))
-    kernel[(blocks,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         MP=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, GELU=gelu, num_warps=warps,
         num_stages=stages, **kernel_args(pdl))
@@ -298,11 +239,6 @@ GEMV_CANDIDATES = (
     dict(block_n=2, block_k=2048, warps=2, stages=3),
     dict(block_n=2, block_k=2048, warps=4, stages=3),
     dict(block_n=1, block_k=2048, warps=4, stages=4),
-    # the persistent kernel: a few programs per SM, each walking many blocks of rows
-    dict(block_n=2, block_k=2048, warps=4, stages=1, per_sm=4),
-    dict(block_n=2, block_k=1024, warps=4, stages=1, per_sm=4),
-    dict(block_n=4, block_k=1024, warps=4, stages=1, per_sm=4),
-    dict(block_n=1, block_k=2048, warps=4, stages=1, per_sm=8),
 )
 GEMV_ROWS = (1, 2, 4, 8)
 

@@ -282,11 +282,8 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
         want = F.linear(x.double(), w.double())
         for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m)):
             for pdl in (False, True):  # with PDL the first weight tile is read before the wait
-                got = gemv(x, w, **cfg, pdl=pdl)
-                err = ((got.double() - want).norm() / want.norm()).item()
+                err = ((gemv(x, w, **cfg, pdl=pdl).double() - want).norm() / want.norm()).item()
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (m, n, k, cfg, pdl, err)
-                if cfg.get("per_sm"):  # the persistent kernel sums each block as one program a block does
-                    assert torch.equal(got, gemv(x, w, **{**cfg, "per_sm": 0}, pdl=pdl)), (m, n, k, cfg, pdl)
     weights = [torch.randn(2048, 2560, device="cuda", generator=gen).to(dtype) for _ in range(8)]
     for pdl in (False, True):
         for gelu in (False, True):

@@ -189,8 +189,8 @@ def test_the_mma_kernel_decodes_codes_into_fragments_without_shared_memory():
 
 
 def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl():
-    """`small_linear._gemv_kernel` and its persistent form at two weight rows of 1,024 columns a
-    program and eight rows of x, launched with PDL, plain and with `gelu`: each compiles for Hopper and wait on the grid
+    """`small_linear._gemv_kernel` at two weight rows of 1,024 columns a program and eight rows of
+    x, launched with PDL, plain and with `gelu`: both compile for Hopper and wait on the grid
     dependency (`griddepcontrol`) only after requesting their first weight tiles, with `gelu` the
     gate's and the up's (twice the plain kernel's loads before the wait), and only the activation
     takes an exp."""
@@ -203,14 +203,13 @@ def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl():
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_ym": "i32", "MP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "GELU": "constexpr", "GDC": "constexpr"}
-    for fn in (small_linear._gemv_kernel, small_linear._gemv_persistent_kernel):
-        before_wait = {}
-        for gelu in (False, True):
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig,
-                                              constexprs=dict(MP=8, BLOCK_N=2, BLOCK_K=1024, GELU=gelu, GDC=True)),
-                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-            ptx = kernel.asm["ptx"]
-            assert "griddepcontrol.wait" in ptx
-            assert ("ex2.approx" in ptx) == gelu, "the activation's exp only with gelu"
-            before_wait[gelu] = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
-        assert before_wait[False] >= 1 and before_wait[True] == 2 * before_wait[False], (fn, before_wait)
+    before_wait = {}
+    for gelu in (False, True):
+        kernel = triton.compile(ASTSource(fn=small_linear._gemv_kernel, signature=sig,
+                                          constexprs=dict(MP=8, BLOCK_N=2, BLOCK_K=1024, GELU=gelu, GDC=True)),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        ptx = kernel.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx
+        assert ("ex2.approx" in ptx) == gelu, "the activation's exp only with gelu"
+        before_wait[gelu] = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+    assert before_wait[False] >= 1 and before_wait[True] == 2 * before_wait[False], before_wait
