@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -350,6 +350,21 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     python3 -m bench.serve --shape ${SHAPE:-gemma3-1b} ${TOKENIZER:+--tokenizer "$TOKENIZER"} --device cuda \
       --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \
       --targets serve cluster:1 cluster:2 --out "$OUT" --tag cluster ;;
+  targets)  # the decode targets of docs/performance.md, each row against the floor and HF in its run:
+    # TARGETS=bf16 (default; about 4 minutes) Gemma-3 4B at N=1 and 64, 1B at 1 and 256; TARGETS=4bit
+    # (about 8) Gemma-3 4B in bnb-4bit at 1 and 64, then the 26B-A4B shape at 1 and 8
+    out=$(cd "$OUT" && pwd)
+    decode() {  # SHAPE WEIGHTS (float32: the bf16 weights themselves) N...
+      local shape=$1 weights=$2; shift 2
+      timeout 290 python3 -m bench.throughput --shape "$shape" --dtype bfloat16 --weights "$weights" --layers fused \
+        --policies s5 --n "$@" --no-quality --out "$out" --tag "targets-${TARGETS:-bf16}" 2>&1 \
+        | tee "$out/throughput-$shape-targets-${TARGETS:-bf16}.log" | grep -E "^ +[0-9]+ |wrote|Error"
+    }
+    if [ "${TARGETS:-bf16}" = bf16 ]; then
+      decode gemma3-4b float32 1 64; decode gemma3-1b float32 1 256
+    else
+      decode gemma3-4b bnb-4bit 1 64; decode gemma4-26b-a4b bnb-4bit 1 8
+    fi ;;
   gemv-ab)  # the few-row product's launches: its GPU tests and the fused forward's (TESTS=0 skips
     # them), then bf16 decode at N=1 and 8 of SHAPES (default: gemma3-1b gemma3-4b), this tree and
     # BEFORE (a directory holding an earlier tree) alternating on one machine
