@@ -88,34 +88,41 @@ if triton is not None:
         W_up = W + N * stride_wn
         k_first = 0
         if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
-            rk = tl.arange(0, BLOCK_K)
-            km = rk < K
-            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if GELU:
-                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
-                               other=0.0)
+            w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, 0, BLOCK_K, GELU)
             pdl_enter(GDC)
-            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            acc += _rows_dot(x, w)
-            if GELU:
-                acc_up += _rows_dot(x, w_up)
+            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, 0, w, w_up, acc, acc_up, BLOCK_K, GELU)
             k_first = BLOCK_K
         for k0 in range(k_first, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            km = rk < K
-            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if GELU:
-                w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
-                               other=0.0)
-            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            acc += _rows_dot(x, w)
-            if GELU:
-                acc_up += _rows_dot(x, w_up)
+            w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K, GELU)
+            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, GELU)
         out = Y + rm[:, None] * stride_ym + rn[None, :]
         if GELU:
             store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
         else:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K: tl.constexpr, GELU: tl.constexpr):
+        """Weight rows `rn`, columns k0 .. k0 + BLOCK_K; with GELU also the same rows of W_up."""
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        w_up = w
+        if GELU:
+            w_up = tl.load(W_up + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        return w, w_up
+
+    @triton.jit
+    def _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K: tl.constexpr,
+                      GELU: tl.constexpr):
+        """acc (and with GELU acc_up) plus x's rows, columns k0 .. k0 + BLOCK_K, times the weight tile."""
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        acc += _rows_dot(x, w)
+        if GELU:
+            acc_up += _rows_dot(x, w_up)
+        return acc, acc_up
 
     @triton.jit
     def _rows_dot(x, w):
