@@ -90,11 +90,11 @@ if triton is not None:
         if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
             w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, 0, BLOCK_K, GELU)
             pdl_enter(GDC)
-            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, 0, w, w_up, acc, acc_up, BLOCK_K, GELU)
+            acc, acc_up = _tile_product(X, K, stride_xm, rm, mm, 0, w, w_up, acc, acc_up, BLOCK_K, GELU)
             k_first = BLOCK_K
         for k0 in range(k_first, K, BLOCK_K):
             w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K, GELU)
-            acc, acc_up = _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, GELU)
+            acc, acc_up = _tile_product(X, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, GELU)
         out = Y + rm[:, None] * stride_ym + rn[None, :]
         if GELU:
             store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
@@ -103,7 +103,8 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K: tl.constexpr, GELU: tl.constexpr):
-        """Weight rows `rn`, columns k0 .. k0 + BLOCK_K; with GELU also the same rows of W_up."""
+        """Weight rows `rn` (those in `nm`), columns k0 to k0 + BLOCK_K - 1; with GELU also the same
+        rows of W_up."""
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -113,9 +114,10 @@ if triton is not None:
         return w, w_up
 
     @triton.jit
-    def _tile_product(X, M, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K: tl.constexpr,
+    def _tile_product(X, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K: tl.constexpr,
                       GELU: tl.constexpr):
-        """acc (and with GELU acc_up) plus x's rows, columns k0 .. k0 + BLOCK_K, times the weight tile."""
+        """acc (and with GELU acc_up) plus x's rows `rm` (those in `mm`), columns k0 to
+        k0 + BLOCK_K - 1, times the weight tile (and its up rows)."""
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
@@ -235,8 +237,8 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
 
 
 # gemv launches tried per row count by `plan_gemv` (from `python -m bench.tune_kernels`, plain
-# products: on an H100, programs of one or two weight rows won every Gemma-3 1B and 4B projection
-# at one row and all but gate/up at two; those of four rows had won on an H200 before the narrower
+# products: on an H100, among the gemv launches, programs of one or two weight rows were fastest
+# for every Gemma-3 1B and 4B projection at one row and all but gate/up at two; those of four rows had won on an H200 before the narrower
 # ones were tried). The gate/up plans with the activation try the same launches.
 GEMV_CANDIDATES = (
     dict(block_n=4, block_k=1024, warps=4, stages=4),
