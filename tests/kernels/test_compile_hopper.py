@@ -187,7 +187,6 @@ def test_the_mma_kernel_decodes_codes_into_fragments_without_shared_memory():
     assert sum(counts.values()) <= 5.5 * weights, counts  # 4.1 (Triton 3.6), 5.1 (3.9: moves of the tables)
 
 
-
 def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl():
     """`small_linear._gemv_kernel` at two weight rows of 1,024 columns a program and eight rows of
     x, launched with PDL, plain and with `gelu`: both compile for Hopper and wait on the grid
