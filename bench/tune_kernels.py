@@ -107,7 +107,7 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
         yield layout, per, current, cands, make
 
 
-def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
+def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0, wide: bool = False):
     g = torch.Generator(device=dev).manual_seed(seed)
     hid, inter = shape["hidden_size"], shape["intermediate_size"]
     H, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -117,6 +117,10 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0):
     grid = [(bn, bk, w, st) for (bn, bk) in ((1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512),
                                              (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256))
             for w in (2, 4, 8) for st in (3, 4) if mp * bn * bk <= 128 * 32 * w and (bn <= 2 or w > 2)]
+    if wide:  # deeper pipelines and longer K tiles: more of each program's weight bytes in flight
+        grid += [(bn, bk, w, st) for (bn, bk) in ((1, 2048), (1, 4096), (2, 1024), (2, 2048), (2, 4096), (4, 1024))
+                 for w in (2, 4, 8) for st in ((5, 6) if bk < 4096 else (3, 4, 5))
+                 if mp * bn * bk <= 128 * 32 * w and (bn <= 2 or w > 2)]
     for name, (n, k) in {"qkv": ((H + 2 * Hkv) * D, hid), "o": (hid, H * D), "gate_up": (2 * inter, hid),
                          "down": (hid, inter)}.items():
         ncopy = copies_for(n * k * dtype.itemsize)
@@ -212,6 +216,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, nargs="*", default=[],
                     help="MoE shapes (--shape gemma4-26b-a4b): these token counts through the experts kernels")
     ap.add_argument("--nf4", action="store_true", help="--experts: the NF4 experts kernels (needs bitsandbytes)")
+    ap.add_argument("--wide", action="store_true",
+                    help="projections: also 5-6 stages and K tiles of 4,096 (the engine's candidates are marked)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -269,19 +275,23 @@ def main() -> None:
                         all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
             if a.rows and not moe_shape:
                 print(f"\n{name} projections (us; GB/s of weight read)")
-                print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best gemv':>15}  launch")
+                print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best gemv':>15}"
+                      f" {'engine cands':>12}  launch")
+            engine_cands = {"gemv bn{block_n} bk{block_k} w{warps} s{stages}".format(**c) for c in sl.GEMV_CANDIDATES}
             for rows in ([] if moe_shape else a.rows):  # an MoE shape's products: --experts
-                for proj, nbytes, lib, split, cands in linear_cases(shape, rows, dtype, sms, dev):
+                for proj, nbytes, lib, split, cands in linear_cases(shape, rows, dtype, sms, dev, wide=a.wide):
                     t_lib, t_split = graph_us(lib), graph_us(split)
                     timed = sorted(((graph_us(c), k) for k, c in cands.items()), key=lambda t: t[0])
                     best_us, best = timed[0]
+                    ours = min((t for t, k in timed if k in engine_cands), default=float("nan"))
                     floor = nbytes / bw * 1e6
                     print(f"{proj:8} {rows:2} {floor:6.1f} {t_lib:7.1f} {nbytes / t_lib / 1e3:5.0f}GB/s "
                           f"{t_split:7.1f} {nbytes / t_split / 1e3:5.0f}GB/s {best_us:7.1f} "
-                          f"{nbytes / best_us / 1e3:5.0f}GB/s  {best}")
+                          f"{nbytes / best_us / 1e3:5.0f}GB/s {ours:12.1f}  {best}")
                     results["linear"].append(dict(
                         shape=name, proj=proj, rows=rows, bytes=nbytes, floor_us=floor, f_linear_us=t_lib,
-                        split_k_us=t_split, best=best, best_us=best_us, top=[dict(us=t, launch=k) for t, k in timed[:6]]))
+                        split_k_us=t_split, best=best, best_us=best_us, engine_candidates_best_us=ours,
+                        top=[dict(us=t, launch=k) for t, k in timed[:6]]))
             out.write_text(json.dumps({**meta, **results}, indent=1))  # after each shape: a cut run keeps its part
             print(f"wrote {out}")
 
