@@ -243,7 +243,6 @@ def _rows_where_faster(weight: torch.Tensor) -> int:
 # 4B's gate/up or half of 1B's down in one load, was fastest for those two at one row, 3% and 9%
 # ahead of the others). The gate/up plans with the activation try the same launches.
 GEMV_CANDIDATES = (
-    dict(block_n=2, block_k=4096, warps=4, stages=3),
     dict(block_n=4, block_k=1024, warps=4, stages=4),
     dict(block_n=4, block_k=1024, warps=4, stages=3),
     dict(block_n=2, block_k=1024, warps=2, stages=3),
@@ -251,6 +250,7 @@ GEMV_CANDIDATES = (
     dict(block_n=2, block_k=2048, warps=2, stages=3),
     dict(block_n=2, block_k=2048, warps=4, stages=3),
     dict(block_n=1, block_k=2048, warps=4, stages=4),
+    dict(block_n=2, block_k=4096, warps=4, stages=3),
 )
 GEMV_ROWS = (1, 2, 4, 8)
 
