@@ -81,9 +81,11 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy, late,
     beside free rows keep steps launched ahead: nearly every step while they decode has one in
     flight with a grammar row in it. Every request's tokens, logprobs and finish reason equal the
     plain order's, and a session whose grammar ended a step before the host knew has its extra
-    step undone: its row equals the plain order's. `late`: the grammar engine is slower than the
-    device (each mask takes 10 ms, and the device counts as done with every forward at once), so
-    grammar rows sit steps out while the others go on, and come back: the same tokens again."""
+    step undone: its row equals the plain order's. `late`: the grammar engine is at times slower
+    than the device (every other step's masks take 50 ms, far longer than a forward of this
+    model, and the device counts as done with every forward at once), so grammar rows sit those
+    steps out while the others go on, and come back, launched ahead again where their masks were
+    quick: the same tokens again."""
     if late:
         from engine.core.ahead import AheadSteps
         from engine.core.structured import Grammars
@@ -91,9 +93,11 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy, late,
         monkeypatch.setattr(AheadSteps, "_behind", staticmethod(lambda fetch: True))
         monkeypatch.setattr(AheadSteps, "_device_idle", staticmethod(lambda fetch: True))
         fill = Grammars.step_masks
+        calls = iter(range(1 << 30))
 
         def slow(self, grammars, skip):
-            time.sleep(0.01)
+            if next(calls) % 2:
+                time.sleep(0.05)
             return fill(self, grammars, skip)
         monkeypatch.setattr(Grammars, "step_masks", slow)
 
