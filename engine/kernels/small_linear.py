@@ -269,31 +269,22 @@ def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pd
     """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
     (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
     between calls), timed from a CUDA graph, launched with PDL where `pdl_for(rows)` says the
-    forward will launch it so. Each product is timed after a small kernel (an RMS norm of x), as
-    a forward runs it after a norm or attention's merge: with PDL a program reads its first
-    weight tile while that kernel runs, so how much of a row that tile holds counts (at 1B's
-    Q/K/V, tiles of 1,024 columns on two warps tie with 2,048 on four timed back to back, and are
-    8% slower in a chain of the layers' products). Row counts where the library is fastest are
-    absent. `gelu`: the MLP's gate/up weights, timed as `fused_forward.project` runs them:
-    `gemv(..., gelu=True)` against `F.linear` followed by `fused_ops.gelu_mul`."""
+    forward will launch it so. Row counts where the library is fastest are absent. `gelu`: the
+    MLP's gate/up weights, timed as `fused_forward.project` runs them: `gemv(..., gelu=True)`
+    against `F.linear` followed by `fused_ops.gelu_mul`."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
-    from engine.kernels.fused_ops import gelu_mul, rmsnorm
+    from engine.kernels.fused_ops import gelu_mul
 
     w0 = weights[0]
-    ones = torch.ones(w0.shape[1], device=w0.device, dtype=w0.dtype)
     plan = {}
     for m in rows:
         x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
-
-        def before():  # the small kernel a forward runs before the product
-            return rmsnorm(x, ones, 1e-6, offset=0.0, pdl=pdl)
-
-        best = graph_ms(lambda: [gelu_mul(F.linear(before(), w), pdl=pdl) if gelu else F.linear(before(), w)
-                                 for w in weights], reps=3)
+        best = graph_ms(lambda: [gelu_mul(F.linear(x, w), pdl=pdl) if gelu else F.linear(x, w) for w in weights],
+                        reps=3)
         for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m, gelu)):
-            t = graph_ms(lambda cfg=cfg: [gemv(before(), w, **cfg, pdl=pdl, gelu=gelu) for w in weights], reps=3)
+            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl, gelu=gelu) for w in weights], reps=3)
             if t < best:
                 best, plan[m] = t, cfg
     return plan
