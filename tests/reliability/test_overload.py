@@ -3,8 +3,10 @@ bounded, the excess gets 429 with Retry-After, every admitted request completes,
 memory stays flat across waves, and its event loop is not blocked for more than 50 ms (measured
 by the server itself: /metrics s5_event_loop_lag_seconds): over four waves, after a first wave
 of the same size that is not counted, at most four wake-ups that late and at most two in any one
-wave. A loop blocked by the server's own work (a sync call, the engine step on the loop) is late
-on most of a wave's ~45 wake-ups. One late wake-up in a wave is the wave itself: its 80
+wave; and the loop woke about as often as the waves' time allows (its timer fires every 20 ms:
+at least 60% of that many wake-ups), so a loop that was not late only because it hardly ran
+fails too. A loop blocked by the server's own work (a sync call, the engine step on the loop) is
+late on most of a wave's wake-ups. One late wake-up in a wave is the wave itself: its 80
 connections arrive together, and accepting them and running each request to its first await
 (parse, validate, hand to the engine) takes about 50 ms of the loop on a two-core machine (the
 front end's garbage collections, timed in s5_gc_pause_seconds, are a few milliseconds in all);
@@ -31,6 +33,8 @@ from tests.servers import metric, server_process
 
 # latency bounds: run alone, after the tests that run in parallel (Makefile: test)
 pytestmark = pytest.mark.serial
+
+LAG_TIMER_S = 0.02  # the period of the server's event-loop lag timer (service/app.py `_loop_lag`)
 
 
 def lag_counts(url: str) -> tuple[float, float]:
@@ -82,16 +86,19 @@ def measure(url: str, pid: int) -> dict:
         await wave(url, 80)
         await idle(url)
         refused_before = metric(url, "s5_rejections_total", 'code="queue_full"')
-        rss, results, lag_n, lag_over = [], [], 0, []
+        rss, results, lag_n, lag_over, span = [], [], 0, [], 0.0
         for _ in range(4):
             n0, ok0 = lag_counts(url)
+            t0 = time.monotonic()
             results += await wave(url, 80)
             await idle(url)
             rss.append(rss_bytes(pid))
             n1, ok1 = lag_counts(url)
+            span += time.monotonic() - t0
             lag_n += n1 - n0
             lag_over.append((n1 - n0) - (ok1 - ok0))
-        return {"results": results, "rss": rss, "lag_n": lag_n, "lag_over": lag_over, "refused_before": refused_before}
+        return {"results": results, "rss": rss, "lag_n": lag_n, "lag_over": lag_over, "span": span,
+                "refused_before": refused_before}
     return asyncio.run(run())
 
 
@@ -107,12 +114,14 @@ def test_ten_times_capacity(tmp_path):
         admitted, rejected = len(lat), len(res["results"]) - len(lat)
         p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]
         lag_n, lag_over, rss = res["lag_n"], res["lag_over"], res["rss"]
+        timer_fires = res["span"] / LAG_TIMER_S  # wake-ups the waves' time allows
         growth = rss[-1] - rss[0]
         print(f"\n320 requests in 4 waves of 80 (queue bound 8): admitted {admitted}, 429 {rejected}; "
               f"admitted p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms; event loop wake-ups over 50 ms late: "
-              f"{lag_over} per wave of {lag_n:.0f} in all; server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
+              f"{lag_over} per wave of {lag_n:.0f} in all ({timer_fires:.0f} in {res['span']:.2f} s at most); "
+              f"server RSS growth wave 1 -> 4 {growth / 2**20:.1f} MiB")
         assert rejected > 0 and admitted >= 4 * 8
         assert metric(url, "s5_rejections_total", 'code="queue_full"') - res["refused_before"] == rejected
-        assert lag_n > 50 and max(lag_over) <= 2 and sum(lag_over) <= 4
+        assert lag_n >= 0.6 * timer_fires and max(lag_over) <= 2 and sum(lag_over) <= 4
         assert growth < 64 * 2**20
         assert metric(url, "s5_kv_rows_used") == 0
