@@ -39,8 +39,7 @@ try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.moe import store_activation
-    from engine.kernels.small_linear import _rows_dot, _weight_tile
+    from engine.kernels.small_linear import _rows_dot, _store_rows, _weight_tile
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
@@ -106,11 +105,7 @@ if triton is not None:
                 acc += _rows_dot(x, w)
                 if GELU:
                     acc_up += _rows_dot(x, w_up)
-            out = Y + rm[:, None] * stride_ym + rn[None, :]
-            if GELU:
-                store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
-            else:
-                tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+            _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU)
 
     @triton.jit
     def _chain_kernel(X, Wqkv, Wo, Wgu, Wd, A, B, C, COUNT, FAILED, M, L,

@@ -95,6 +95,12 @@ if triton is not None:
         for k0 in range(k_first, K, BLOCK_K):
             w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K, GELU)
             acc, acc_up = _tile_product(X, K, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, GELU)
+        _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU)
+
+    @triton.jit
+    def _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU: tl.constexpr):
+        """Y's rows `rm`, columns `rn` (those in `mm` and `nm`): the sums in Y's dtype, or with GELU
+        the activation of the gate (acc) and up (acc_up) sums."""
         out = Y + rm[:, None] * stride_ym + rn[None, :]
         if GELU:
             store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
