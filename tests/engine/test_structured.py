@@ -2,6 +2,7 @@
 its grammar and end it, the rows beside it are untouched, and a bad grammar changes nothing; with
 penalties and logprobs, and with n > 1 (each choice's matcher forked)."""
 
+import itertools
 import json
 import math
 import time
@@ -82,18 +83,18 @@ def test_grammar_rows_launch_ahead_and_equal_the_plain_order(tiny, policy, late,
     flight with a grammar row in it. Every request's tokens, logprobs and finish reason equal the
     plain order's, and a session whose grammar ended a step before the host knew has its extra
     step undone: its row equals the plain order's. `late`: the grammar engine is at times slower
-    than the device (every other step's masks take 50 ms, far longer than a forward of this
-    model, and the device counts as done with every forward at once), so grammar rows sit those
-    steps out while the others go on, and come back, launched ahead again where their masks were
-    quick: the same tokens again."""
+    than the device (every other step's masks take 50 ms; the device counts as done 20 ms after
+    the host starts waiting for them), so grammar rows sit those steps out while the others go
+    on, and come back, launched ahead again where their masks were quick: the same tokens
+    again."""
     if late:
         from engine.core.ahead import AheadSteps
         from engine.core.structured import Grammars
 
         monkeypatch.setattr(AheadSteps, "_behind", staticmethod(lambda fetch: True))
-        monkeypatch.setattr(AheadSteps, "_device_idle", staticmethod(lambda fetch: True))
+        monkeypatch.setattr(AheadSteps, "_device_idle", staticmethod(lambda fetch: time.sleep(0.02) or True))
         fill = Grammars.step_masks
-        calls = iter(range(1 << 30))
+        calls = itertools.count()
 
         def slow(self, grammars, skip):
             if next(calls) % 2:
