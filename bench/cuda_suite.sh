@@ -351,8 +351,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
       --dtype bfloat16 --n ${SERVE_N:-1 64} --new-tokens ${NEW_TOKENS:-256} --client-procs 4 \
       --targets serve cluster:1 cluster:2 --out "$OUT" --tag cluster ;;
   targets)  # the decode targets of docs/performance.md, each row against the floor and HF in its run:
-    # TARGETS=bf16 (default; about 4 minutes) Gemma-3 4B at N=1 and 64, 1B at 1 and 256; TARGETS=4bit
-    # (about 8) Gemma-3 4B in bnb-4bit at 1 and 64, then the 26B-A4B shape at 1 and 8
+    # TARGETS=bf16 (default) Gemma-3 4B at N=1 and 64, 1B at 1 and 256; TARGETS=4bit
+    # Gemma-3 4B in bnb-4bit at 1 and 64, then the 26B-A4B shape at 1 and 8
     out=$(cd "$OUT" && pwd)
     decode() {  # SHAPE WEIGHTS (float32: the bf16 weights themselves) N...
       local shape=$1 weights=$2; shift 2
