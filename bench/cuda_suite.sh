@@ -366,19 +366,19 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
       decode gemma3-4b bnb-4bit 1 64; decode gemma4-26b-a4b bnb-4bit 1 8
     fi ;;
   gemv-ab)  # the few-row product's launches: its GPU tests and the fused forward's (TESTS=0 skips
-    # them), then bf16 decode at N=1 and 8 of SHAPES (default: gemma3-1b gemma3-4b), this tree and
-    # BEFORE (a directory holding an earlier tree) alternating on one machine
+    # them), then bf16 decode at N=1 and 8 (AB_N) of SHAPES (default: gemma3-1b gemma3-4b), this tree
+    # and BEFORE (a directory holding an earlier tree) alternating on one machine
     if [ "${TESTS:-1}" != 0 ]; then
       timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda.py \
-        -k "gemv or fused_forward or pdl_launches" 2>&1 | tee "$OUT/cuda-tests-gemv-ab.log" \
-        | grep -E "passed|failed|Error|tokens equal|gemv plan" | tail -20
+        -k "gemv or mma_rows or fused_forward or pdl_launches" 2>&1 | tee "$OUT/cuda-tests-gemv-ab.log" \
+        | grep -E "passed|failed|Error|tokens equal|gemv plan|mma_rows" | tail -20
     fi
     out=$(cd "$OUT" && pwd)
     for shape in ${SHAPES:-gemma3-1b gemma3-4b}; do
       for side in after before; do
         dir=.; [ $side = before ] && dir="$BEFORE"
         (cd "$dir" && timeout 170 python3 -m bench.throughput --shape $shape --dtype bfloat16 --policies s5 \
-          --n 1 8 --no-quality --out "$out/$side" --tag gemv-$side 2>&1 \
+          --n ${AB_N:-1 8} --no-quality --out "$out/$side" --tag gemv-$side 2>&1 \
           | tee "$out/throughput-$shape-gemv-$side.log" | grep -E "^ +[0-9]+ bfloat16|wrote")
       done
     done ;;

@@ -4,7 +4,8 @@ Three families of cases, on the BENCH.md shapes:
   attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer
              (on Gemma 4, with the exact layers' own K/V heads and head size), N rows of about 1,238
              tokens, N in 1..256
-  linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows
+  linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows (`gemv`), or
+             at 9..64 rows (`mma_rows`, and gate/up also with its activation)
   experts    (MoE shapes) the experts kernels' two stages at a few tokens, each routed to top-k
              random experts
 Each candidate launch is timed from a CUDA graph that cycles over copies of its operands (256 MB
@@ -132,6 +133,9 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0, wi
             err = ((y.float() - want).norm() / want.norm()).item()
             assert err < 1e-2, err
 
+        if rows >= sl.MMA_MIN_ROWS:  # tensor-core tiles, and gate/up also with the activation
+            yield from mma_cases(name, n, k, x, ws, want, sms, dtype)
+            continue
         lib = [lambda w=w: F.linear(x, w) for w in ws]
         split = [lambda w=w: sl.small_linear(x, w, sms) for w in ws]
         check(sl.small_linear(x, ws[0], sms))
@@ -141,6 +145,37 @@ def linear_cases(shape: dict, rows: int, dtype, sms: int, dev, seed: int = 0, wi
             check(sl.gemv(x, ws[0], **cfg))
             cands[f"gemv bn{bn} bk{bk} w{w_} s{st}"] = [lambda w=w, cfg=cfg: sl.gemv(x, w, **cfg) for w in ws]
         yield name, n * k * dtype.itemsize, lib, split, cands
+
+
+# `mma_rows` launches timed at 9-64 rows: (block_n, block_k, warps), each at 3 and 4 stages and K
+# split in 1, 2, 4 or 8
+MMA_GRID = ((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8))
+
+
+def mma_cases(name: str, n: int, k: int, x, ws, want, sms: int, dtype):
+    """A projection at 9-64 rows: the library against `mma_rows` launches; gate/up also as the
+    forward runs it, with the activation (`gelu_mul` after the library's product). Yields as
+    `linear_cases` does, the library's product in both the library and the split-K columns."""
+    from engine.kernels.fused_ops import gelu_mul
+
+    counts = torch.zeros(sl.MMA_COUNTS, dtype=torch.int32, device=x.device)
+    for gelu in ((False, True) if name == "gate_up" else (False,)):
+        ref = gelu_mul(want.to(dtype)).float() if gelu else want
+        cands = {}
+        for (bn, bk, w_), st, split in itertools.product(MMA_GRID, (3, 4), (1, 2, 4, 8)):
+            if not sl.mma_rows_fits(x.shape[0], n // 2 if gelu else n, k, bn, bk, split):
+                continue
+            cfg = dict(block_n=bn, block_k=bk, warps=w_, stages=st, split=split, counts=counts, gelu=gelu)
+            try:
+                y = sl.mma_rows(x, ws[0], **cfg)
+            except Exception:  # beyond this GPU's shared memory
+                continue
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, cfg, err)
+            cands[f"mma bn{bn} bk{bk} w{w_} s{st} split{split}"] = [lambda w=w, cfg=cfg: sl.mma_rows(x, w, **cfg)
+                                                                    for w in ws]
+        lib = [(lambda w=w: gelu_mul(F.linear(x, w))) if gelu else (lambda w=w: F.linear(x, w)) for w in ws]
+        yield name + ("+gelu" if gelu else ""), n * k * dtype.itemsize, lib, lib, cands
 
 
 def experts_cases(shape: dict, tokens: int, dtype, dev, seed: int = 0, in_nf4: bool = False):
@@ -275,9 +310,11 @@ def main() -> None:
                         all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
             if a.rows and not moe_shape:
                 print(f"\n{name} projections (us; GB/s of weight read)")
-                print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best gemv':>15}"
+                print(f"{'proj':8} {'M':>2} {'floor':>6} {'F.linear':>15} {'split-K':>15} {'best ours':>15}"
                       f" {'engine cands':>12}  launch")
             engine_cands = {"gemv bn{block_n} bk{block_k} w{warps} s{stages}".format(**c) for c in sl.GEMV_CANDIDATES}
+            engine_cands |= {"mma bn{block_n} bk{block_k} w{warps} s{stages}".format(**c) + f" split{split}"
+                             for c in sl.MMA_CANDIDATES for split in sl.MMA_SPLITS}
             for rows in ([] if moe_shape else a.rows):  # an MoE shape's products: --experts
                 for proj, nbytes, lib, split, cands in linear_cases(shape, rows, dtype, sms, dev, wide=a.wide):
                     t_lib, t_split = graph_us(lib), graph_us(split)

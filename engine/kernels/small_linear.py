@@ -10,8 +10,13 @@ very wide output (the vocabulary head), go to `F.linear` unchanged.
 
 `gemv` is the one-kernel variant for the engine's fused forward: no split, each program streams a
 few weight rows once for all the batch's rows (for the MLP's gate/up, with `gelu`, it also stores
-the activation). `plan_gemv` times it against `F.linear` (followed by `gelu_mul` for gate/up) on
-a model's own weights and keeps it only where it wins.
+the activation). `mma_rows` is its form for decode batches of 9-64 rows: each program multiplies
+a tile of weight rows by all the batch's rows on tensor cores (as W x^T, the weight the wide
+operand), with K split over several programs where there are too few column blocks to cover the
+GPU; the last program of a column block to finish sums the float32 partials in split order, so the
+result does not depend on timing and no second kernel runs. `plan_gemv` times both against
+`F.linear` (followed by `gelu_mul` for gate/up) on a model's own weights and keeps one only where
+it wins.
 """
 
 from __future__ import annotations
@@ -98,14 +103,90 @@ if triton is not None:
         _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU)
 
     @triton.jit
-    def _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU: tl.constexpr):
-        """Y's rows `rm`, columns `rn` (those in `mm` and `nm`): the sums in Y's dtype, or with GELU
-        the activation of the gate (acc) and up (acc_up) sums."""
-        out = Y + rm[:, None] * stride_ym + rn[None, :]
-        if GELU:
-            store_activation(acc, acc_up, out, mm[:, None] & nm[None, :])
+    def _mma_rows_kernel(X, W, Y, P, Counts, M, N, K, stride_xm, stride_wn, stride_ym, k_per, split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT: tl.constexpr, IEEE: tl.constexpr, GELU: tl.constexpr = False,
+                         GDC: tl.constexpr = False):
+        """Y = X @ W^T on tensor cores as W X^T: the program's `BLOCK_N` weight rows are the
+        product's left operand and X's rows (up to BLOCK_M) its columns. Each program takes
+        `k_per` of K (`pid_k`'s slice); with SPLIT, the `split` programs of a column block each
+        store a float32 partial, and the last of them to count itself done (`Counts`, one
+        counter per column block, left at zero again) sums the partials in split order and
+        stores Y, so the sum does not depend on which program finishes last. With GELU, W is
+        [gate; up] (2N rows) and Y the activation."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        nm = rn < N
+        mm = rm < M
+        W_up = W + N * stride_wn
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # GELU only
+        k0 = k_lo
+        if GDC:  # no kernel writes the weight: its first tile is read while the one before finishes
+            w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K, GELU)
+            pdl_enter(GDC)
+            acc, acc_up = _mma_tile(X, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K, IEEE, GELU)
+            k0 += BLOCK_K
+        for kk in range(k0, k_hi, BLOCK_K):
+            w, w_up = _weight_tile(W, W_up, K, stride_wn, rn, nm, kk, BLOCK_K, GELU)
+            acc, acc_up = _mma_tile(X, stride_xm, rm, mm, kk, w, w_up, acc, acc_up, BLOCK_K, IEEE, GELU)
+        out = Y + rm[None, :] * stride_ym + rn[:, None]
+        mask = nm[:, None] & mm[None, :]
+        if SPLIT:
+            part = P + (pid_k * N + rn[:, None]) * BLOCK_M + rm[None, :]  # [split, N, BLOCK_M]
+            tl.store(part, acc, mask=mask)
+            if GELU:
+                tl.store(part + split * N * BLOCK_M, acc_up, mask=mask)
+            tl.debug_barrier()  # every thread's partial stored before the count
+            done = tl.atomic_add(Counts + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == split - 1:  # the last: sum in split order
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for s in range(split):
+                    sp = P + (s * N + rn[:, None]) * BLOCK_M + rm[None, :]
+                    acc += tl.load(sp, mask=mask, other=0.0, cache_modifier=".cg")
+                    if GELU:
+                        acc_up += tl.load(sp + split * N * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_sums(out, mask, acc, acc_up, GELU)
+                tl.atomic_xchg(Counts + pid_n, 0, sem="relaxed", scope="gpu")
         else:
-            tl.store(out, acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+            _store_sums(out, mask, acc, acc_up, GELU)
+
+    @triton.jit
+    def _mma_tile(X, stride_xm, rm, mm, k0, w, w_up, acc, acc_up, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                  GELU: tl.constexpr):
+        """acc (and with GELU acc_up) plus the weight tile times x's rows `rm` (those in `mm`),
+        columns k0 to k0 + BLOCK_K - 1, transposed: [BLOCK_N, BLOCK_M] on tensor cores (IEEE:
+        float32 operands multiplied in float32, not TF32)."""
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mm[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+            if GELU:
+                acc_up = tl.dot(w_up, xt, acc_up, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+            if GELU:
+                acc_up = tl.dot(w_up, xt, acc_up)
+        return acc, acc_up
+
+    @triton.jit
+    def _store_sums(out, mask, acc, acc_up, GELU: tl.constexpr):
+        """The sums acc at `out` (where `mask`) in its dtype, or with GELU the activation of the
+        gate (acc) and up (acc_up) sums."""
+        if GELU:
+            store_activation(acc, acc_up, out, mask)
+        else:
+            tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _store_rows(Y, stride_ym, rm, mm, rn, nm, acc, acc_up, GELU: tl.constexpr):
+        """Y's rows `rm`, columns `rn` (those in `mm` and `nm`): `_store_sums` of acc [rows, columns]."""
+        _store_sums(Y + rm[:, None] * stride_ym + rn[None, :], mm[:, None] & nm[None, :], acc, acc_up, GELU)
 
     @triton.jit
     def _weight_tile(W, W_up, K, stride_wn, rn, nm, k0, BLOCK_K: tl.constexpr, GELU: tl.constexpr):
@@ -184,6 +265,43 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     return y
 
 
+MMA_MIN_ROWS, MMA_MAX_ROWS = 9, 64  # the rows `mma_rows` takes
+
+
+def mma_rows_fits(m: int, n: int, k: int, block_n: int, block_k: int, split: int) -> bool:
+    """Whether `mma_rows` takes x [m, k] against a weight of n rows (gelu: n gate rows) with
+    this tile and K split: whole K tiles per split, every split non-empty."""
+    if not MMA_MIN_ROWS <= m <= MMA_MAX_ROWS or k % block_k:
+        return False
+    tiles = k // block_k
+    return tiles % split == 0 and block_n <= max(16, triton.next_power_of_2(n))
+
+
+def mma_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int,
+             split: int = 1, counts: torch.Tensor | None = None, pdl: bool = False,
+             gelu: bool = False) -> torch.Tensor:
+    """x [M, K] (9-64 rows, last dim contiguous) @ weight[N, K].T -> [M, N] in x's dtype, one
+    kernel on tensor cores (`mma_rows_fits`). `split` > 1 splits K over that many programs per
+    column block, which sum their float32 partials in a fixed order; `counts` is then an int32
+    tensor of zeros with one entry per column block (left zero by the kernel; the caller owns it
+    and runs one product at a time on it). `pdl` and `gelu` as for `gemv`."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gelu else weight.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cols = triton.cdiv(n, block_n)
+    part = y
+    if split > 1:
+        assert counts is not None and counts.numel() >= cols and counts.dtype == torch.int32
+        part = torch.empty(((2 if gelu else 1) * split, n, block_m), dtype=torch.float32, device=x.device)
+    _mma_rows_kernel[(cols, split)](
+        x, weight, y, part, counts if split > 1 else y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        k // split, split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split > 1,
+        IEEE=x.dtype == torch.float32, GELU=gelu,
+        num_warps=warps, num_stages=stages, **kernel_args(pdl))
+    return y
+
+
 class SmallBatchLinear(nn.Module):
     """`nn.Linear` (no bias) that runs `small_linear` up to `max_rows` rows (measured per shape)."""
 
@@ -259,6 +377,24 @@ GEMV_CANDIDATES = (
     dict(block_n=2, block_k=4096, warps=4, stages=3),
 )
 GEMV_ROWS = (1, 2, 4, 8)
+# `mma_rows` launches tried per row count by `plan_gemv` at MMA_ROWS, each with K split in
+# MMA_SPLITS where it fits (`mma_rows_fits`)
+MMA_CANDIDATES = (
+    dict(block_n=32, block_k=128, warps=4, stages=4),
+    dict(block_n=64, block_k=64, warps=4, stages=4),
+    dict(block_n=64, block_k=128, warps=4, stages=4),
+)
+MMA_SPLITS = (1, 2, 4, 8)
+MMA_ROWS = (16, 32, 64)
+MMA_COUNTS = 4096  # column blocks a split `mma_rows` may count in (`FusedDecoder.counts`)
+
+
+def plan_key(rows: int) -> int:
+    """The planned row count whose launch a product of `rows` rows takes: its own up to the
+    largest GEMV_ROWS, then the next of MMA_ROWS (a 12-row decode batch takes 16 rows' launch)."""
+    if rows <= GEMV_ROWS[-1] or rows > MMA_ROWS[-1]:
+        return rows
+    return next(r for r in MMA_ROWS if r >= rows)
 
 
 def gemv_fits(cfg: dict, rows: int, gelu: bool = False) -> bool:
@@ -270,29 +406,54 @@ def gemv_fits(cfg: dict, rows: int, gelu: bool = False) -> bool:
 
 
 @torch.no_grad()
-def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS, pdl_for=None,
+def plan_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = GEMV_ROWS + MMA_ROWS, pdl_for=None,
               gelu: bool = False) -> dict[int, dict]:
-    """For each row count, the `gemv` launch that beats `F.linear` on these same-shaped weights
-    (a product with each, in order, as one forward runs its layers: the weights do not stay in L2
+    """For each row count, the launch that beats `F.linear` on these same-shaped weights (a
+    product with each, in order, as one forward runs its layers: the weights do not stay in L2
     between calls), timed from a CUDA graph, launched with PDL where `pdl_for(rows)` says the
-    forward will launch it so. Row counts where the library is fastest are absent. `gelu`: the
-    MLP's gate/up weights, timed as `fused_forward.project` runs them: `gemv(..., gelu=True)`
-    against `F.linear` followed by `fused_ops.gelu_mul`."""
+    forward will launch it so: a `gemv` launch up to the largest GEMV_ROWS, `{"mma": launch}` of
+    `mma_rows` at MMA_ROWS (kept only where it agrees with the library's product). Row counts
+    where the library is fastest are absent. `gelu`: the MLP's gate/up weights, timed as
+    `fused_forward.project` runs them: with the activation against `F.linear` followed by
+    `fused_ops.gelu_mul`."""
     if triton is None or not weights or weights[0].device.type != "cuda":
         return {}
     from engine.kernels.fused_ops import gelu_mul
 
     w0 = weights[0]
+    n, k = w0.shape[0] // 2 if gelu else w0.shape[0], w0.shape[1]
+    counts = torch.zeros(MMA_COUNTS, dtype=torch.int32, device=w0.device)
     plan = {}
     for m in rows:
-        x = torch.randn(m, w0.shape[1], device=w0.device).to(w0.dtype)
+        x = torch.randn(m, k, device=w0.device).to(w0.dtype)
         pdl = pdl_for is not None and pdl_for(m)
-        best = graph_ms(lambda: [gelu_mul(F.linear(x, w), pdl=pdl) if gelu else F.linear(x, w) for w in weights],
-                        reps=3)
-        for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m, gelu)):
-            t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl, gelu=gelu) for w in weights], reps=3)
-            if t < best:
-                best, plan[m] = t, cfg
+
+        def library(w):
+            return gelu_mul(F.linear(x, w), pdl=pdl) if gelu else F.linear(x, w)
+
+        best = graph_ms(lambda: [library(w) for w in weights], reps=3)
+        if m <= GEMV_ROWS[-1]:
+            for cfg in (c for c in GEMV_CANDIDATES if gemv_fits(c, m, gelu)):
+                t = graph_ms(lambda cfg=cfg: [gemv(x, w, **cfg, pdl=pdl, gelu=gelu) for w in weights], reps=3)
+                if t < best:
+                    best, plan[m] = t, cfg
+            continue
+        want = library(w0).float()
+        for cfg in MMA_CANDIDATES:
+            for split in MMA_SPLITS:
+                if not mma_rows_fits(m, n, k, cfg["block_n"], cfg["block_k"], split):
+                    continue
+                launch = dict(cfg, split=split)
+                try:
+                    got = mma_rows(x, w0, **launch, counts=counts, pdl=pdl, gelu=gelu).float()
+                except Exception:  # a launch this GPU cannot compile (shared memory: float32 tiles)
+                    continue
+                if not (got - want).norm() <= 2e-2 * want.norm():
+                    continue
+                t = graph_ms(lambda launch=launch: [mma_rows(x, w, **launch, counts=counts, pdl=pdl, gelu=gelu)
+                                                    for w in weights], reps=3)
+                if t < best:
+                    best, plan[m] = t, {"mma": launch}
     return plan
 
 

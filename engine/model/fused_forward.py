@@ -12,11 +12,14 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
   next layer's input norm, or the final norm after the last layer)
 
 (gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
-the CUDA kernel of kernels/nf4_cuda.py, or a planned `gemv` runs it: `project`'s `gelu`.)
+the CUDA kernel of kernels/nf4_cuda.py, or a planned `gemv` or `mma_rows` runs it: `project`'s
+`gelu`.)
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
-projection and row count when the forward is built), that kernel runs it.
+projection and row count when the forward is built), that kernel runs it. Decode batches of 9-64
+rows likewise take a planned `mma_rows` launch (tensor cores, K split where the columns are few)
+where it is faster.
 
 With `pdl` (on GPUs that support it, kernels/launch.py) the engine's kernels are launched with
 programmatic dependent launch: each may be scheduled while the kernel before it runs, and waits on
@@ -54,7 +57,7 @@ from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
 from engine.kernels.nf4 import NF4Weight
 from engine.kernels.nf4_plan import plan_nf4
-from engine.kernels.small_linear import SmallBatchLinear, gemv, plan_gemv
+from engine.kernels.small_linear import MMA_COUNTS, SmallBatchLinear, gemv, mma_rows, plan_gemv, plan_key
 from engine.model.nf4_linear import NF4Linear, fuse_nf4_rows
 from engine.model.quant import Int8Linear, Int8Weight, fuse_int8
 
@@ -224,18 +227,21 @@ def plan_projection(weights: list, pdl_for, gelu: bool = False) -> dict[int, dic
 
 
 def project(x: torch.Tensor, w: torch.Tensor | NF4Weight, plan: dict[int, dict], pdl_for,
-            gelu: bool = False) -> torch.Tensor:
+            gelu: bool = False, counts: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w^T with `plan_projection`'s plan for w's projection. `gelu`: w is the MLP's
     [gate; up] weight and the result gelu_tanh(gate) x up: the product's own kernel computes it
-    where that is NF4's CUDA kernel (`nf4.linear`'s `gelu`) or the planned `gemv`, one launch
-    fewer; otherwise `gelu_mul` follows the product."""
+    where that is NF4's CUDA kernel (`nf4.linear`'s `gelu`) or the planned `gemv` or `mma_rows`,
+    one launch fewer; otherwise `gelu_mul` follows the product. `counts`: the forward's
+    `FusedDecoder.counts`, which a planned `mma_rows` with its K split counts in."""
     pdl = pdl_for(x.shape[0])
     if isinstance(w, NF4Weight):
         return nf4.linear(x, w, plan, pdl, gelu=gelu)
     if isinstance(w, Int8Weight):
         y = w.matmul(x.contiguous())
     else:
-        cfg = plan.get(x.shape[0])
+        cfg = plan.get(plan_key(x.shape[0]))
+        if cfg is not None and "mma" in cfg:
+            return mma_rows(x, w, **cfg["mma"], counts=counts, pdl=pdl, gelu=gelu)
         if cfg is not None:
             return gemv(x, w, **cfg, pdl=pdl, gelu=gelu)
         y = F.linear(x, w)
@@ -255,6 +261,10 @@ class FusedDecoder:
         cfg = base.config
         self.pdl = pdl and launch.supported(base.embed_tokens.weight.device)
         self.embed = base.embed_tokens
+        # the column blocks' counters of split `mma_rows` products (zero between products), one
+        # set for the forward's products, which run one at a time on its stream
+        dev = base.embed_tokens.weight.device
+        self.counts = torch.zeros(MMA_COUNTS, dtype=torch.int32, device=dev) if dev.type == "cuda" else None
         self.rotary = base.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         self.final_norm = base.norm.weight
@@ -333,7 +343,7 @@ class FusedGemma3(FusedDecoder):
         return _Layer(**common, softcap=attn.attn_logit_softcapping)
 
     def _project(self, x: torch.Tensor, L: _Layer, name: str, gelu: bool = False) -> torch.Tensor:
-        return project(x, getattr(L, name), self.plans[name], self.pdl_for, gelu)
+        return project(x, getattr(L, name), self.plans[name], self.pdl_for, gelu, self.counts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step,

@@ -194,7 +194,7 @@ class FusedGemma4(FusedDecoder):
         return _Layer(**common, scalar=layer.layer_scalar, v_from_k=attn.v_proj is None, experts=_experts(layer))
 
     def _project(self, x: torch.Tensor, w, name: str, gelu: bool = False) -> torch.Tensor:
-        return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for, gelu)
+        return project(x, w, self.plans[(name, tuple(w.shape))], self.pdl_for, gelu, self.counts)
 
     def _experts(self, X: _Experts, x_router: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The experts' output and how many partials a token has in it: the kernels leave each

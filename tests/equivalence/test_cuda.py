@@ -273,7 +273,8 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
     launches it may use."""
     import torch.nn.functional as F
 
-    from engine.kernels.small_linear import GEMV_CANDIDATES, GEMV_ROWS, gemv, gemv_fits, plan_gemv
+    from engine.kernels.small_linear import (GEMV_CANDIDATES, GEMV_ROWS, MMA_CANDIDATES, MMA_ROWS, gemv, gemv_fits,
+                                             plan_gemv)
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     for m, n, k in [(1, 1024, 2560), (3, 2560, 10240), (8, 333, 1152), (5, 4100, 130), (2, 7, 3000)]:
@@ -289,8 +290,62 @@ def test_gemv_matches_library_and_plans_only_faster_launches(dtype):
         for gelu in (False, True):
             plan = plan_gemv(weights, pdl_for=lambda rows: pdl, gelu=gelu)
             print(f"{dtype}: gemv plan for 2048x2560 (pdl {pdl}, gelu {gelu}): {plan}")
-            assert set(plan) <= set(GEMV_ROWS)
-            assert all(cfg in GEMV_CANDIDATES and gemv_fits(cfg, rows, gelu) for rows, cfg in plan.items())
+            assert set(plan) <= set(GEMV_ROWS + MMA_ROWS)
+            assert all(cfg in GEMV_CANDIDATES and gemv_fits(cfg, rows, gelu) for rows, cfg in plan.items()
+                       if rows in GEMV_ROWS)
+            assert all({k: v for k, v in cfg["mma"].items() if k != "split"} in MMA_CANDIDATES
+                       for rows, cfg in plan.items() if rows in MMA_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mma_rows_matches_library_for_every_launch_and_split(dtype):
+    """The tensor-core product of 9-64 rows, every candidate launch with every K split that fits,
+    on Gemma-3 4B's O and 1B's gate/up shapes and an odd one (columns not a multiple of a tile),
+    at 9, 16, 33 and 64 rows: near the float64 reference; the same bits again on a second call
+    and with PDL (the split's partials are summed in split order, whichever program ends last),
+    every counter back at zero; with the activation, the same bits as `gelu_mul` of the
+    launch's product."""
+    import torch.nn.functional as F
+
+    from engine.kernels import fused_ops
+    from triton.runtime.errors import OutOfResources
+
+    from engine.kernels.small_linear import MMA_CANDIDATES, MMA_COUNTS, MMA_SPLITS, mma_rows, mma_rows_fits
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    counts = torch.zeros(MMA_COUNTS, dtype=torch.int32, device="cuda")
+    runs = skipped = 0
+    for n, k in [(2560, 2048), (2 * 6912, 1152), (2 * 333, 1024)]:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
+        for m in (9, 16, 33, 64):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+            want = F.linear(x.double(), w.double())
+            want_act = fused_ops.gelu_mul_ref(want)
+            for cfg in MMA_CANDIDATES:
+                for split in MMA_SPLITS:
+                    if not mma_rows_fits(m, n // 2, k, cfg["block_n"], cfg["block_k"], split):
+                        continue
+                    launch = dict(cfg, split=split, counts=counts)
+                    try:
+                        got = mma_rows(x, w, **launch)
+                        act = mma_rows(x, w, **launch, gelu=True)
+                    except OutOfResources:  # float32 tiles of the widest launches, with the activation's two
+                        skipped += 1
+                        continue
+                    assert got.shape == (m, n) and got.dtype == dtype
+                    err = ((got.double() - want).norm() / want.norm()).item()
+                    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (n, k, m, launch, err)
+                    assert torch.equal(mma_rows(x, w, **launch), got), (n, k, m, cfg, split)
+                    assert torch.equal(mma_rows(x, w, **launch, pdl=True), got), (n, k, m, cfg, split)
+                    assert torch.equal(act, fused_ops.gelu_mul(got)), (n, k, m, cfg, split)
+                    err = ((act.double() - want_act).norm() / want_act.norm()).item()
+                    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (n, k, m, launch, err)
+                    assert not counts.any(), (n, k, m, cfg, split)
+                    runs += 1
+    assert runs >= 3 * 4 * (len(MMA_CANDIDATES) if dtype == torch.bfloat16 else 1), runs
+    assert dtype != torch.bfloat16 or not skipped, skipped
+    print(f"mma_rows, {dtype}: {runs} launches agree ({skipped} beyond shared memory), split sums repeatable, "
+          f"activation equal to gelu_mul")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

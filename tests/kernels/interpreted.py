@@ -94,6 +94,24 @@ def check_kernels() -> dict[str, float]:
         note("layer_out of pairs", got_out, fused_ops.layer_out_ref(h, d, part, *args, pairs=K))
         for a, b in zip(got_out, fused_ops.layer_out(h.clone(), d, got, *args)):
             assert torch.equal(a, b), "layer_out of the pairs = layer_out of their sum"
+    # the tensor-core product of 9-64 rows: K split or not (the last program of a column block
+    # sums the partials in split order, and leaves its counter at zero), and with the activation
+    counts = torch.zeros(small_linear.MMA_COUNTS, dtype=torch.int32)
+    wgu = torch.randn(2 * 37, 2 * N) * 0.2
+    for T in (9, 20):
+        x = torch.randn(T, 2 * N)
+        for cfg, split in ((dict(block_n=32, block_k=64, warps=4, stages=2), 3),
+                           (dict(block_n=16, block_k=32, warps=4, stages=2), 1)):
+            assert small_linear.mma_rows_fits(T, 37, 2 * N, cfg["block_n"], cfg["block_k"], split)
+            got = small_linear.mma_rows(x, wgu, **cfg, split=split, counts=counts)
+            note("mma_rows", [got], [x @ wgu.T])
+            act = small_linear.mma_rows(x, wgu, **cfg, split=split, counts=counts, gelu=True)
+            note("mma_rows gelu", [act], [fused_ops.gelu_mul_ref(x @ wgu.T)])
+            # (the same bits on a GPU; here numpy's products may sum tiles of other shapes in
+            # another order)
+            note("mma_rows gelu against gelu_mul of its product", [act], [fused_ops.gelu_mul(got)])
+            assert torch.equal(small_linear.mma_rows(x, wgu, **cfg, split=split, counts=counts), got)
+            assert not counts.any()
     return worst
 
 
