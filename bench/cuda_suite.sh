@@ -367,7 +367,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     fi ;;
   gemv-ab)  # the few-row product's launches: its GPU tests and the fused forward's (TESTS=0 skips
     # them), then bf16 decode at N=1 and 8 (AB_N) of SHAPES (default: gemma3-1b gemma3-4b), this tree
-    # and BEFORE (a directory holding an earlier tree) alternating on one machine
+    # and BEFORE (a directory holding an earlier tree) alternating on one machine, this tree first
+    # (AB_ORDER="before after": the other way round)
     if [ "${TESTS:-1}" != 0 ]; then
       timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda.py \
         -k "gemv or mma_rows or fused_forward or pdl_launches" 2>&1 | tee "$OUT/cuda-tests-gemv-ab.log" \
@@ -375,7 +376,7 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     fi
     out=$(cd "$OUT" && pwd)
     for shape in ${SHAPES:-gemma3-1b gemma3-4b}; do
-      for side in after before; do
+      for side in ${AB_ORDER:-after before}; do
         dir=.; [ $side = before ] && dir="$BEFORE"
         (cd "$dir" && timeout 170 python3 -m bench.throughput --shape $shape --dtype bfloat16 --policies s5 \
           --n ${AB_N:-1 8} --no-quality --out "$out/$side" --tag gemv-$side 2>&1 \
