@@ -212,3 +212,36 @@ def test_the_few_row_product_compiles_for_sm90_with_its_activation_and_pdl():
         assert ("ex2.approx" in ptx) == gelu, "the activation's exp only with gelu"
         before_wait[gelu] = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
     assert before_wait[False] >= 1 and before_wait[True] == 2 * before_wait[False], before_wait
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_the_tensor_core_few_row_product_compiles_for_sm90_within_shared_memory(block_m):
+    """`small_linear._mma_rows_kernel` at every candidate launch the plans time (`MMA_CANDIDATES`)
+    for 16, 32 and 64 rows of bf16 x, K split or not, plain and with the activation, launched with
+    PDL: each compiles for Hopper, multiplies on tensor cores, waits on the grid dependency only
+    after requesting its first weight tile, and only the split launch counts its block done (an
+    atomic) and reloads the partials past L1. Every plain launch fits Hopper's 227 KiB of shared
+    memory, and with the activation (two weight tiles a step) at least one does at each row count
+    and split; the plans skip one the GPU refuses (this Triton gives the widest tile 240 KiB at 64
+    rows with the activation)."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    from engine.kernels import small_linear
+
+    sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "P": "*fp32", "Counts": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "k_per": "i32", "split": "i32"}
+    fits = {}
+    for cfg in small_linear.MMA_CANDIDATES:
+        for split in (False, True):
+            for gelu in (False, True):
+                consts = dict(BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split,
+                              IEEE=False, GELU=gelu, GDC=True)
+                kernel = _compile(small_linear._mma_rows_kernel, sig, consts, cfg["warps"], cfg["stages"],
+                                  ("X", "W", "Y", "P", "Counts", "N", "K", "stride_xm", "stride_wn", "stride_ym",
+                                   "k_per"))
+                ptx, what = kernel.asm["ptx"], (cfg, split, gelu)
+                assert kernel.asm["cubin"] and ("wgmma" in ptx or "mma.sync" in ptx), what
+                assert ptx[: ptx.index("griddepcontrol.wait")].count("ld.global") >= 1, what
+                assert ("atom.global" in ptx) == split and ("ld.global.cg" in ptx) == split, what
+                fits.setdefault((split, gelu), []).append(kernel.metadata.shared <= 227 * 1024)
+    for (split, gelu), ok in fits.items():
+        assert all(ok) if not gelu else any(ok), (block_m, split, gelu, ok)
