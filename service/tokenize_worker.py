@@ -30,8 +30,10 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 
 import msgspec
 import zmq
@@ -51,7 +53,8 @@ class TokenizerProcess:
     loop, `close` at shutdown. Calls are answered in the order sent."""
 
     def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: subprocess.Popen | None = None
+        self._exit: asyncio.Future | None = None  # the process's exit code, once it has exited
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
         self._dir: str | None = None
@@ -73,8 +76,15 @@ class TokenizerProcess:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # one thread, at the lowest priority
-        self._proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "service.tokenize_worker",
-                                                          str(os.getpid()), address, env=env)
+        # Started by `subprocess`, whose child runs no Python between fork and exec, not by the
+        # event loop's subprocess support: uvloop's (uvicorn's loop) forks and runs Python in the
+        # child before its exec, which never ends if another thread of the front end held a
+        # lock that code takes (OpenSSL's, freeing an SSL context) when it forked.
+        self._proc = subprocess.Popen([sys.executable, "-m", "service.tokenize_worker", str(os.getpid()), address],
+                                      env=env)
+        self._exit = asyncio.get_running_loop().create_future()
+        threading.Thread(target=self._reap, args=(self._proc, self._exit), name="s5serve-tokenizer-reaper",
+                         daemon=True).start()
         await self._sock.send(tokenizer_json.encode())
         try:
             first = await asyncio.wait_for(self._sock.recv(), timeout)
@@ -116,8 +126,23 @@ class TokenizerProcess:
             else:
                 fut.set_result(ids)
 
+    @staticmethod
+    def _reap(proc: subprocess.Popen, exit_code: asyncio.Future) -> None:
+        """Wait for the process to exit (a thread of its own: reaps it), then resolve `exit_code`
+        on its loop (unless that loop has closed)."""
+        code = proc.wait()
+
+        def resolve() -> None:
+            if not exit_code.done():
+                exit_code.set_result(code)
+
+        try:
+            exit_code.get_loop().call_soon_threadsafe(resolve)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
     async def _watch(self) -> None:
-        code = await self._proc.wait()
+        code = await self._exit
         self.alive = False
         if self._calls:
             log.warning("the tokenizer process exited (code %s) with %d texts unanswered", code, len(self._calls))
@@ -129,7 +154,7 @@ class TokenizerProcess:
         self.alive = False
         for task in self._tasks:
             task.cancel()
-        if self._proc is not None and self._proc.returncode is None:
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
         if self._sock is not None:
             self._sock.close()

@@ -95,3 +95,31 @@ async def test_a_tokenizer_the_process_cannot_load_leaves_long_texts_to_threads(
         assert await pool.encode(tok, TEXTS[0], True) == tok(TEXTS[0])["input_ids"]
     finally:
         pool.close()
+
+
+def test_the_tokenizer_process_on_the_servers_event_loop(tok):
+    """On uvloop (the loop uvicorn runs the front end on) the process starts, answers, and its
+    exit reaches a waiting caller at once (a thread reaps it); closing leaves no process."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def run() -> None:
+        proc = TokenizerProcess()
+        await proc.start(tok.backend_tokenizer.to_str())
+        try:
+            assert await proc.encode(TEXTS[3], False) == tok(TEXTS[3], add_special_tokens=False)["input_ids"]
+            os.kill(proc._proc.pid, signal.SIGSTOP)
+            pending = asyncio.ensure_future(proc.encode(TEXTS[0], True))
+            await asyncio.sleep(0.2)
+            os.kill(proc._proc.pid, signal.SIGKILL)
+            with pytest.raises(TokenizerGone):
+                await asyncio.wait_for(pending, 5)
+            assert not proc.alive and proc._proc.returncode == -signal.SIGKILL  # reaped
+        finally:
+            proc.close()
+        again = TokenizerProcess()
+        await again.start(tok.backend_tokenizer.to_str())
+        pid = again._proc.pid
+        again.close()
+        assert await gone(pid)
+
+    uvloop.run(run())
