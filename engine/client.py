@@ -140,6 +140,20 @@ class RequestStream:
         self.abort()
 
 
+def watch_exit(proc: subprocess.Popen, loop: asyncio.AbstractEventLoop, on_exit: Callable[[int], None],
+               name: str) -> None:
+    """Call `on_exit(exit code)` on `loop` the moment `proc` ends: a daemon thread of its own
+    waits for it (and so reaps it); nothing is called once the loop has closed."""
+    def wait() -> None:
+        code = proc.wait()
+        try:
+            loop.call_soon_threadsafe(on_exit, code)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
+
+
 class EngineProcess:
     """The engine process, as its parent sees it: `python -m engine.process`, a fresh interpreter
     (nothing of the parent, threads, CUDA state or its main module, is inherited), given its
@@ -232,7 +246,7 @@ class EngineClient:
         if self.attach is None:
             self._engine = EngineProcess(self.config, ends, self.log_level)
             self._engine_pid = self._engine.pid
-            threading.Thread(target=self._wait_exit, name="s5serve-engine-watch", daemon=True).start()
+            watch_exit(self._engine.proc, self._loop, self._on_exit, "s5serve-engine-watch")
         else:
             self._engine_pid = self.attach.engine_pid
             self._watch_foreign(self.attach.engine_pid)
@@ -306,14 +320,6 @@ class EngineClient:
         self._inbox.close()
         self._outbox.close()
         self._ctx.term()
-
-    def _wait_exit(self) -> None:
-        """On a thread of its own: the moment the process ends, tell the event loop."""
-        code = self._engine.proc.wait()
-        try:
-            self._loop.call_soon_threadsafe(self._on_exit, code)
-        except RuntimeError:  # the event loop is closed: nobody is left to tell
-            pass
 
     def _watch_foreign(self, pid: int) -> None:
         """An engine another process started: its pidfd turns readable the moment it ends (Linux)."""

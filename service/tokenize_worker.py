@@ -33,11 +33,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 
 import msgspec
 import zmq
 import zmq.asyncio
+
+from engine.client import watch_exit
 
 log = logging.getLogger("s5serve")
 
@@ -82,9 +83,10 @@ class TokenizerProcess:
         # lock that code takes (OpenSSL's, freeing an SSL context) when it forked.
         self._proc = subprocess.Popen([sys.executable, "-m", "service.tokenize_worker", str(os.getpid()), address],
                                       env=env)
-        self._exit = asyncio.get_running_loop().create_future()
-        threading.Thread(target=self._reap, args=(self._proc, self._exit), name="s5serve-tokenizer-reaper",
-                         daemon=True).start()
+        loop = asyncio.get_running_loop()
+        self._exit = exit_code = loop.create_future()
+        watch_exit(self._proc, loop, lambda code: exit_code.done() or exit_code.set_result(code),
+                   "s5serve-tokenizer-watch")
         await self._sock.send(tokenizer_json.encode())
         try:
             first = await asyncio.wait_for(self._sock.recv(), timeout)
@@ -125,21 +127,6 @@ class TokenizerProcess:
                 fut.set_exception(ValueError(error))
             else:
                 fut.set_result(ids)
-
-    @staticmethod
-    def _reap(proc: subprocess.Popen, exit_code: asyncio.Future) -> None:
-        """Wait for the process to exit (a thread of its own: reaps it), then resolve `exit_code`
-        on its loop (unless that loop has closed)."""
-        code = proc.wait()
-
-        def resolve() -> None:
-            if not exit_code.done():
-                exit_code.set_result(code)
-
-        try:
-            exit_code.get_loop().call_soon_threadsafe(resolve)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
 
     async def _watch(self) -> None:
         code = await self._exit
