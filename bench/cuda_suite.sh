@@ -365,13 +365,15 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     else
       decode gemma3-4b bnb-4bit 1 64; decode gemma4-26b-a4b bnb-4bit 1 8
     fi ;;
-  gemv-ab)  # the few-row product's launches: its GPU tests and the fused forward's (TESTS=0 skips
-    # them), then bf16 decode at N=1 and 8 (AB_N) of SHAPES (default: gemma3-1b gemma3-4b), this tree
-    # and BEFORE (a directory holding an earlier tree) alternating on one machine, this tree first
-    # (AB_ORDER="before after": the other way round)
+  gemv-ab)  # an engine change against an earlier tree: GPU tests (AB_TESTS, a pytest -k expression over
+    # test_cuda.py; default the few-row products' and the fused forward's; TESTS=0 skips them), then
+    # bf16 decode at N=1 and 8 (AB_N) of SHAPES (default: gemma3-1b gemma3-4b), this tree and BEFORE (a
+    # directory holding an earlier tree) alternating on one machine, this tree first (AB_ORDER="before
+    # after": the other way round); result files tagged AB_TAG-after and AB_TAG-before (default gemv)
+    tag=${AB_TAG:-gemv}
     if [ "${TESTS:-1}" != 0 ]; then
       timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -rP -m gpu tests/equivalence/test_cuda.py \
-        -k "gemv or mma_rows or fused_forward or pdl_launches" 2>&1 | tee "$OUT/cuda-tests-gemv-ab.log" \
+        -k "${AB_TESTS:-gemv or mma_rows or fused_forward or pdl_launches}" 2>&1 | tee "$OUT/cuda-tests-$tag-ab.log" \
         | grep -E "passed|failed|Error|tokens equal|gemv plan|mma_rows" | tail -20
     fi
     out=$(cd "$OUT" && pwd)
@@ -379,8 +381,8 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
       for side in ${AB_ORDER:-after before}; do
         dir=.; [ $side = before ] && dir="$BEFORE"
         (cd "$dir" && timeout 170 python3 -m bench.throughput --shape $shape --dtype bfloat16 --policies s5 \
-          --n ${AB_N:-1 8} --no-quality --out "$out/$side" --tag gemv-$side 2>&1 \
-          | tee "$out/throughput-$shape-gemv-$side.log" | grep -E "^ +[0-9]+ bfloat16|wrote")
+          --n ${AB_N:-1 8} --no-quality --out "$out/$side" --tag $tag-$side 2>&1 \
+          | tee "$out/throughput-$shape-$tag-$side.log" | grep -E "^ +[0-9]+ bfloat16|wrote")
       done
     done ;;
   regress)  # this tree against BEFORE (a directory holding an earlier tree), the engine alone, same run

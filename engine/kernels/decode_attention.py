@@ -106,6 +106,48 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _block_keys(offs, end, row, p, BlockTable, stride_bt, attn_window, sink, ring_window,
+                    PAGE: tl.constexpr, RING_SLOTS: tl.constexpr, PAGED: tl.constexpr):
+        """Store slots of the keys `offs` (< end) of `row`, whose next token is at `p`, and which of
+        them the query sees."""
+        valid = offs < end
+        if PAGED:
+            blk = tl.load(BlockTable + row * stride_bt + offs // PAGE, mask=valid, other=0)
+            slot = blk.to(tl.int64) * PAGE + offs % PAGE
+            kpos = offs
+        else:
+            slot = row * RING_SLOTS + offs
+            m_off = p - 1 - sink
+            r = offs - sink
+            w = tl.maximum(ring_window, 1)
+            off = m_off - (((m_off - r) % w) + w) % w
+            kpos = tl.where(offs < sink, tl.where(offs < p, offs, -1), tl.where(off >= 0, sink + off, -1))
+            valid = valid & (kpos >= 0)
+        return slot, valid & ((p - kpos) < attn_window)
+
+    @triton.jit
+    def _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        """One block of keys k, values v [BLOCK, D] into the group's running max, sum and
+        unnormalised output."""
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale
+        if SOFTCAP:
+            qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _partial_kernel(
         Q, K, V, Opart, Mpart, Lpart, BlockTable, Rows, Pos,
         Out, Knew, Vnew, Slots, Ek, Ev,
@@ -120,11 +162,19 @@ if triton is not None:
         """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
         the group. With one split (S == 1) the program finishes the job the merge kernel would:
         the new token, the normalisation, the output and the store (it alone read this row's
-        keys of this head)."""
-        pdl_enter(GDC)
+        keys of this head).
+
+        With STORE (the kernel writes the new token itself, so the caller wrote nothing in the
+        store just before) and PDL, the row's indices, the slot it stores to, what that slot
+        holds and its first block of keys and values are read before the wait on the kernel
+        before it: none of them is written by that kernel (it made q, k_new and v_new), so they
+        overlap its end. Without PDL the same order puts those reads at the start."""
+        if not STORE:  # the caller may have just written the store: wait first
+            pdl_enter(GDC)
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
+        d = tl.arange(0, D)
         row = tl.load(Rows + b)
         p = tl.load(Pos + b)
         if PAGED:
@@ -139,74 +189,56 @@ if triton is not None:
         per = tl.cdiv(tl.cdiv(hi - lo, S), BLOCK) * BLOCK
         start = lo + s * per
         end = tl.minimum(start + per, hi)
+        if S == 1:
+            if STORE:  # the slot this program writes, and (EVICT) what it holds: only this program writes it
+                dest = tl.load(Slots + b)
+                if EVICT:
+                    held_k = tl.load(K + dest * stride_ks + kh * stride_kh + d)
+                    held_v = tl.load(V + dest * stride_ks + kh * stride_kh + d)
+        slot, valid = _block_keys(start + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
+                                  sink, ring_window, PAGE, RING_SLOTS, PAGED)
+        k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        if STORE:
+            pdl_enter(GDC)
 
         g = tl.arange(0, GP)
-        d = tl.arange(0, D)
         head = kh * G + g
         q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for j0 in range(start, end, BLOCK):
-            offs = j0 + tl.arange(0, BLOCK)
-            valid = offs < end
-            if PAGED:
-                blk = tl.load(BlockTable + row * stride_bt + offs // PAGE, mask=valid, other=0)
-                slot = blk.to(tl.int64) * PAGE + offs % PAGE
-                kpos = offs
-            else:
-                slot = row * RING_SLOTS + offs
-                m_off = p - 1 - sink
-                r = offs - sink
-                w = tl.maximum(ring_window, 1)
-                off = m_off - (((m_off - r) % w) + w) % w
-                kpos = tl.where(offs < sink, tl.where(offs < p, offs, -1), tl.where(off >= 0, sink + off, -1))
-                valid = valid & (kpos >= 0)
-            valid = valid & ((p - kpos) < attn_window)
+        m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
+        for j0 in range(start + BLOCK, end, BLOCK):
+            slot, valid = _block_keys(j0 + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
+                                      sink, ring_window, PAGE, RING_SLOTS, PAGED)
             k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
-            if SOFTCAP:
-                qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
             v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
         gm = g < G
         if S == 1:
             if EXTRA:  # the new token, not (yet) in the store
-                kn = tl.load(Knew + b * stride_kb + kh * stride_knh + d).to(tl.float32)
+                k_in = tl.load(Knew + b * stride_kb + kh * stride_knh + d)
+                v_in = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d)
+                kn = k_in.to(tl.float32)
                 sn = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale  # [GP]
                 if SOFTCAP:
                     sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
                 m_new = tl.maximum(m_i, sn)
                 alpha = tl.exp(m_i - m_new)
                 en = tl.exp(sn - m_new)
-                vn = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d).to(tl.float32)
-                acc = acc * alpha[:, None] + en[:, None] * vn[None, :]
+                acc = acc * alpha[:, None] + en[:, None] * v_in.to(tl.float32)[None, :]
                 l_i = l_i * alpha + en
             o = acc / l_i[:, None]
             tl.store(Out + b * stride_ob + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
                      mask=gm[:, None])
-            if STORE:  # after every thread's last read of the store (the slot may hold a visible key)
-                tl.debug_barrier()
-                slot = tl.load(Slots + b)
+            if STORE:  # (STORE implies EXTRA) after every thread's last read of the store
                 if EVICT:  # keep what the slot held, so the store can be undone
-                    tl.store(Ek + b * stride_eb + kh * stride_eh + d, tl.load(K + slot * stride_ks + kh * stride_kh + d))
-                    tl.store(Ev + b * stride_eb + kh * stride_eh + d, tl.load(V + slot * stride_ks + kh * stride_kh + d))
-                    tl.debug_barrier()
-                tl.store(K + slot * stride_ks + kh * stride_kh + d, tl.load(Knew + b * stride_kb + kh * stride_knh + d))
-                tl.store(V + slot * stride_ks + kh * stride_kh + d, tl.load(Vnew + b * stride_vb + kh * stride_vnh + d))
+                    tl.store(Ek + b * stride_eb + kh * stride_eh + d, held_k)
+                    tl.store(Ev + b * stride_eb + kh * stride_eh + d, held_v)
+                tl.debug_barrier()
+                tl.store(K + dest * stride_ks + kh * stride_kh + d, k_in)
+                tl.store(V + dest * stride_ks + kh * stride_kh + d, v_in)
         else:
             H = tl.num_programs(1) * G
             base = (b * H + head) * S + s  # [GP]
@@ -222,21 +254,33 @@ if triton is not None:
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
         STORE: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
-        pdl_enter(GDC)
+        """Merges program (row b, query head h)'s splits and the new token. Everything but the
+        partials is read before the wait on the partial kernel (launched with PDL): that kernel
+        writes only the partials, and what the kernels before it wrote is complete once it runs."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sidx = tl.arange(0, SP)
         d = tl.arange(0, D)
         base = (b * H + h) * S
         sm = sidx < S
+        if EXTRA:  # the new token, not (yet) in the store
+            q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
+            k_in = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d)
+            v_in = tl.load(Vnew + b * stride_vb + (h // G) * stride_vh + d)
+        if STORE:  # the first query head of each group writes its K/V head's new token
+            writer = (d * 0 + h % G) == 0
+            dest = tl.load(Slots + b)
+            kv = h // G
+            if EVICT:  # what the slot holds, kept so the store can be undone
+                held_k = tl.load(Kstore + dest * stride_ss + kv * stride_sh + d, mask=writer)
+                held_v = tl.load(Vstore + dest * stride_ss + kv * stride_sh + d, mask=writer)
+        pdl_enter(GDC)
         m = tl.load(Mpart + base + sidx, mask=sm, other=-1.0e30)
         lsum = tl.load(Lpart + base + sidx, mask=sm, other=0.0)
         o = tl.load(Opart + (base + sidx)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
         m_all = tl.max(m, 0)
-        if EXTRA:  # the new token, not (yet) in the store
-            q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
-            kn = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d).to(tl.float32)
-            sn = tl.sum(q * kn, 0) * scale
+        if EXTRA:
+            sn = tl.sum(q * k_in.to(tl.float32), 0) * scale
             if SOFTCAP:
                 sn = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sn / softcap) + 1.0))
             m_all = tl.maximum(m_all, sn)
@@ -244,21 +288,16 @@ if triton is not None:
         num = tl.sum(o * w[:, None], 0)
         den = tl.sum(lsum * w, 0)
         if EXTRA:
-            vn = tl.load(Vnew + b * stride_vb + (h // G) * stride_vh + d).to(tl.float32)
             en = tl.exp(sn - m_all)
-            num += en * vn
+            num += en * v_in.to(tl.float32)
             den += en
         tl.store(Out + b * stride_ob + h * stride_oh + d, (num / den).to(Out.dtype.element_ty))
         if STORE:  # every program of the partial kernel has read the store: write the new token
-            if h % G == 0:
-                slot = tl.load(Slots + b)
-                kv = h // G
-                if EVICT:  # keep what the slot held, so the store can be undone
-                    tl.store(Ek + b * stride_eb + kv * stride_eh + d, tl.load(Kstore + slot * stride_ss + kv * stride_sh + d))
-                    tl.store(Ev + b * stride_eb + kv * stride_eh + d, tl.load(Vstore + slot * stride_ss + kv * stride_sh + d))
-                    tl.debug_barrier()
-                tl.store(Kstore + slot * stride_ss + kv * stride_sh + d, tl.load(Knew + b * stride_kb + kv * stride_kh + d))
-                tl.store(Vstore + slot * stride_ss + kv * stride_sh + d, tl.load(Vnew + b * stride_vb + kv * stride_vh + d))
+            if EVICT:
+                tl.store(Ek + b * stride_eb + kv * stride_eh + d, held_k, mask=writer)
+                tl.store(Ev + b * stride_eb + kv * stride_eh + d, held_v, mask=writer)
+            tl.store(Kstore + dest * stride_ss + kv * stride_sh + d, k_in, mask=writer)
+            tl.store(Vstore + dest * stride_ss + kv * stride_sh + d, v_in, mask=writer)
 
 
 def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256, itemsize: int = 2) -> dict:

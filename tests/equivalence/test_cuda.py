@@ -174,9 +174,16 @@ def check_decode_attention_store(layout: str, dtype, launch: dict | None = None)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["paged", "paged-window", "paged-wide", "ring"])
-@pytest.mark.parametrize("launch", [{}, dict(splits=1, block=32), dict(splits=64, block=16)],
-                         ids=["default", "one-split", "merged"])
+@pytest.mark.parametrize("launch", [{}, dict(splits=1, block=32), dict(splits=64, block=16),
+                                    dict(splits=1, block=32, pdl=True), dict(splits=64, block=16, pdl=True)],
+                         ids=["default", "one-split", "merged", "one-split-pdl", "merged-pdl"])
 def test_decode_attention_kernel_stores_the_new_token(layout, dtype, launch):
+    """Launched with PDL, the kernels read the store before their wait (kernels/launch.py): the
+    same outputs, stores and kept K/V."""
+    if launch.get("pdl"):
+        from engine.kernels import launch as pdl_launch
+
+        assert pdl_launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
     err, store_diff = check_decode_attention_store(layout, dtype, launch)
     print(f"{layout} {dtype} {launch} with store: rel err {err:.1e}, store diff {store_diff}")
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5) and store_diff == 0

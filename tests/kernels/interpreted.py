@@ -20,13 +20,15 @@ import torch
 from engine import Engine, EngineConfig
 from engine.model import fused_forward, fused_gemma4
 from engine.model.kernel_check import gemma4_kernels_disagree
-from engine.kernels import fused_ops, moe, small_linear
+from engine.kernels import decode_attention, fused_ops, moe, small_linear
+from engine.kv.policy import ring_slot
 from engine.model.loader import LoadedModel, tiny_random_model
 from tests.helpers import greedy_agreement, tiny_gemma4
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 # the kernels take CPU tensors here
 fused_ops._use_triton = moe._use_triton = lambda x: True
+decode_attention.available = lambda device: True
 
 
 def rel(a, b) -> float:
@@ -112,7 +114,47 @@ def check_kernels() -> dict[str, float]:
             note("mma_rows gelu against gelu_mul of its product", [act], [fused_ops.gelu_mul(got)])
             assert torch.equal(small_linear.mma_rows(x, wgu, **cfg, split=split, counts=counts), got)
             assert not counts.any()
+    check_decode_attention(note)
     return worst
+
+
+def check_decode_attention(note) -> None:
+    """The decode attention's kernels, split or whole, storing the new token themselves (a ring
+    also keeping what its slot held) or finding it stored, against the torch reference: outputs
+    close, the store and the kept K/V exactly the reference's."""
+    da = decode_attention
+    B, H, Hkv, D, page, num_rows, max_blocks, sink, window = 5, 4, 2, 16, 16, 7, 6, 4, 12
+    rows = torch.randperm(num_rows)[:B]
+    pos = torch.randint(0, page * max_blocks - 1, (B,))
+    pos[0], pos[1] = 0, 3  # a first token, and a row shorter than the ring
+    q = torch.randn(B, H, D)
+    new = dict(k_new=torch.randn(B, Hkv, D), v_new=torch.randn(Hkv, B, D).transpose(0, 1))
+    table = (1 + torch.randperm(num_rows * max_blocks)).view(num_rows, -1)
+    layouts = {
+        "paged": (dict(block_table=table.to(torch.int32), page=page), (num_rows * max_blocks + 2) * page,
+                  table[rows, pos // page].long() * page + pos % page),
+        "ring": (dict(ring=(sink, window)), num_rows * (sink + window),
+                 torch.tensor([int(r) * (sink + window) + ring_slot(int(p), sink, window) for r, p in zip(rows, pos)])),
+    }
+    for name, (kw, n, slot) in layouts.items():
+        ring = name == "ring"
+        ks, vs = torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
+        for launch in (dict(splits=4, block=16), dict(splits=1, block=16)):
+            for storing in (False, True):
+                k, v, rk, rv = ks.clone(), vs.clone(), ks.clone(), vs.clone()
+                args = dict(kw, scale=D ** -0.5, **(new if storing or ring else {}))
+                kept = ref_kept = None
+                if storing:
+                    args.update(store_slot=slot)
+                    if ring:
+                        kept = (torch.zeros(B, Hkv, D), torch.zeros(B, Hkv, D))
+                        ref_kept = (torch.zeros(B, Hkv, D), torch.zeros(B, Hkv, D))
+                got = da.decode_attention(q, k, v, rows, pos, evicted=kept, **launch, **args)
+                want = da.reference(q, rk, rv, rows, pos, evicted=ref_kept, **args)
+                assert torch.equal(k, rk) and torch.equal(v, rv), (name, launch, storing)
+                if kept is not None:
+                    assert torch.equal(kept[0], ref_kept[0]) and torch.equal(kept[1], ref_kept[1]), (name, launch)
+                note(f"decode_attention {name}{', storing' if storing else ''}", [got], [want])
 
 
 def check_forward() -> tuple[bool, float, int]:

@@ -245,3 +245,61 @@ def test_the_tensor_core_few_row_product_compiles_for_sm90_within_shared_memory(
                 fits.setdefault((split, gelu), []).append(kernel.metadata.shared <= 227 * 1024)
     for (split, gelu), ok in fits.items():
         assert all(ok) if not gelu else any(ok), (block_m, split, gelu, ok)
+
+
+def _attention_kernels(paged: bool, splits: int, store: bool, evict: bool):
+    """The decode attention's partial and merge kernels for Hopper, bf16, Gemma-3 4B's heads (two
+    query heads per K/V head of 256), launched with PDL, as `decode_attention` launches them."""
+    from engine.kernels import decode_attention as da
+
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", Opart="*fp32", Mpart="*fp32", Lpart="*fp32", BlockTable="*i32",
+                 Rows="*i64", Pos="*i64", Out="*bf16", Knew="*bf16", Vnew="*bf16", Slots="*i64", Ek="*bf16",
+                 Ev="*bf16")
+    ints = ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_bt", "stride_ob", "stride_oh", "stride_kb",
+            "stride_knh", "stride_vb", "stride_vnh", "stride_eb", "stride_eh")
+    sig = {**types, **dict.fromkeys(ints, "i32"), "scale": "fp32", "softcap": "fp32", "attn_window": "i32",
+           "sink": "i32", "ring_window": "i32"}
+    extra = not paged or store
+    consts = dict(G=2, GP=16, D=256, S=splits, PAGE=16, RING_SLOTS=68, PAGED=paged, SOFTCAP=False, IEEE=False,
+                  BLOCK=32 if paged or splits == 1 else 16, NEW_APART=paged and store, EXTRA=extra, STORE=store,
+                  EVICT=evict, GDC=True)
+    partial = _compile(da._partial_kernel, sig, consts, 4, 3 if splits == 1 else 2, ())
+    types = dict(Out="*bf16", Opart="*fp32", Mpart="*fp32", Lpart="*fp32", Q="*bf16", Knew="*bf16", Vnew="*bf16",
+                 Kstore="*bf16", Vstore="*bf16", Slots="*i64", Ek="*bf16", Ev="*bf16")
+    ints = ("stride_ob", "stride_oh", "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
+            "stride_ss", "stride_sh", "stride_eb", "stride_eh")
+    sig = {**types, **dict.fromkeys(ints, "i32"), "scale": "fp32", "softcap": "fp32", "H": "i32", "G": "i32"}
+    consts = dict(D=256, S=splits, SP=max(2, 1 << (splits - 1).bit_length()), EXTRA=extra, SOFTCAP=False,
+                  STORE=store, EVICT=evict, GDC=True)
+    return partial, _compile(da._combine_kernel, sig, consts, 4, 1, ())
+
+
+@pytest.mark.parametrize("layout", ["ring-split", "ring-whole", "paged-split", "paged-whole", "paged-stored-before"])
+def test_decode_attention_reads_what_the_kernel_before_it_does_not_write_before_its_pdl_wait(layout):
+    """With PDL, the decode attention's partial kernel that stores the new token itself reads the
+    rows' indices, the slot it stores to (a ring: and what that slot holds) and its first block of
+    keys and values before `griddepcontrol.wait`, so they overlap the end of the kernel before it
+    (which made q, k_new and v_new); where the caller stored the new token just before (no
+    `store_slot`), it reads nothing before the wait. The merge kernel reads everything but the
+    partials before its wait (q and the new token, the slot and what it holds; with the token
+    stored before, nothing)."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    paged = layout.startswith("paged")
+    store = layout != "paged-stored-before"
+    splits = 1 if layout.endswith("whole") else 4
+    partial, merge = _attention_kernels(paged, splits, store, evict=store and not paged)
+
+    def loads(kernel):
+        ptx = kernel.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        return ptx[:wait].count("ld.global"), ptx[wait:].count("ld.global")
+
+    before, after = loads(partial)
+    tile = 2 * 16 * 256 * 2 // (4 * 32 * 16)  # a block of 16 keys and values of 256 bf16, in 16-byte loads
+    if store:
+        assert before >= tile and after >= 1, (before, after)  # q (and the new token) after the wait
+    else:
+        assert before == 0, before
+    if splits > 1:
+        before, after = loads(merge)
+        assert (before >= 2 if store else before == 0) and after >= 2, (before, after)
