@@ -168,7 +168,8 @@ if triton is not None:
         store just before) and PDL, the row's indices, the slot it stores to, what that slot
         holds and its first block of keys and values are read before the wait on the kernel
         before it: none of them is written by that kernel (it made q, k_new and v_new), so they
-        overlap its end. Without PDL the same order puts those reads at the start."""
+        overlap its end. Launched plainly, it reads the slot and what it holds first too, so that
+        the store at its end waits on no read."""
         if not STORE:  # the caller may have just written the store: wait first
             pdl_enter(GDC)
         b = tl.program_id(0)
@@ -195,21 +196,24 @@ if triton is not None:
                 if EVICT:
                     held_k = tl.load(K + dest * stride_ks + kh * stride_kh + d)
                     held_v = tl.load(V + dest * stride_ks + kh * stride_kh + d)
-        slot, valid = _block_keys(start + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
-                                  sink, ring_window, PAGE, RING_SLOTS, PAGED)
-        k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        if STORE:
-            pdl_enter(GDC)
-
         g = tl.arange(0, GP)
         head = kh * G + g
-        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
         m_i = tl.full([GP], -1.0e30, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
-        for j0 in range(start + BLOCK, end, BLOCK):
+        first = start
+        if STORE and GDC:  # the first block before the wait, then the rest of the loop
+            slot, valid = _block_keys(start + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
+                                      sink, ring_window, PAGE, RING_SLOTS, PAGED)
+            k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            pdl_enter(GDC)
+            q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
+            first = start + BLOCK
+        else:
+            q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        for j0 in range(first, end, BLOCK):
             slot, valid = _block_keys(j0 + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
                                       sink, ring_window, PAGE, RING_SLOTS, PAGED)
             k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
