@@ -165,11 +165,12 @@ if triton is not None:
         keys of this head).
 
         With STORE (the kernel writes the new token itself, so the caller wrote nothing in the
-        store just before) and PDL, the row's indices, the slot it stores to, what that slot
-        holds and its first block of keys and values are read before the wait on the kernel
-        before it: none of them is written by that kernel (it made q, k_new and v_new), so they
-        overlap its end. Launched plainly, it reads the slot and what it holds first too, so that
-        the store at its end waits on no read."""
+        store just before) and PDL, the row's indices and block table, its first block of keys
+        and values and, with one split, the slot it stores to and (EVICT) what that slot holds
+        are read before the wait on the kernel before it: none of them is written by that kernel
+        (it made q, k_new and v_new, read after the wait), so the reads overlap its end. Launched
+        plainly with one split, it reads the slot and what it holds first too, so that the store
+        at its end waits on no read."""
         if not STORE:  # the caller may have just written the store: wait first
             pdl_enter(GDC)
         b = tl.program_id(0)
@@ -258,9 +259,11 @@ if triton is not None:
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
         STORE: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
-        """Merges program (row b, query head h)'s splits and the new token. Everything but the
-        partials is read before the wait on the partial kernel (launched with PDL): that kernel
-        writes only the partials, and what the kernels before it wrote is complete once it runs."""
+        """Merges program (row b, query head h)'s splits and the new token. Launched with PDL it
+        reads everything but the partials (q, the new token, the slot and what it holds) before
+        its wait: the partial kernel writes only the partials, and this kernel may start only
+        once every partial program has passed its own wait, so what the kernels before that one
+        wrote is complete."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sidx = tl.arange(0, SP)
@@ -348,7 +351,9 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     iteration), `warps` and `stages` set the partial kernel's launch. `evicted` (ring layers with
     `store_slot`): a pair of [>= B, Hkv, D] tensors; the store first copies there what each slot
     held (a step run ahead of the host's verdict undoes its store with them). `pdl`: both kernels
-    launched with PDL (kernels/launch.py; the caller checked that the device supports it)."""
+    launched with PDL (kernels/launch.py; the caller checked that the device supports it); with
+    `store_slot` too, the kernel launched just before must not write the stores, `rows`, `pos`,
+    `block_table` or `store_slot`, which the partial kernel reads before its wait."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,

@@ -7,11 +7,13 @@ prologue. On Hopper and newer GPUs a kernel launched with PDL may be scheduled w
 before it in the stream is still running; it then waits on the device (`griddepcontrol.wait`)
 for that kernel to finish and flush.
 
-Every kernel that takes `GDC` does that wait before it touches any memory the kernel just before
-it may write, and before it writes anything (`pdl_enter`: its first statement, or after reading
-only what that kernel does not write: weights, which no kernel of a step writes, or the decode
-attention's K/V store and row indices), and then lets the next kernel be scheduled. That kernel
-passed its own wait before it let this one be scheduled, so every kernel before it has finished. So the memory effects of a step
+Every kernel that takes `GDC` does that wait before it reads any memory the kernel just before
+it may write, and before it writes anything, and then lets the next kernel be scheduled
+(`pdl_enter`: its first statement, or after reading only what that kernel does not write:
+weights, which no kernel of a step writes; the decode attention's K/V store and row indices,
+when it stores the new token itself; its merge kernel's inputs other than the partials). That
+kernel passed its own wait before it let this one be scheduled, so every kernel before it has
+finished. So the memory effects of a step
 happen in exactly the stream's order, graph-captured or not; what overlaps is the next kernel's
 launch and prologue with the end of this one. A kernel after one that was not launched this way
 (a library matrix product) just waits for it as usual.
