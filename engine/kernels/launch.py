@@ -13,10 +13,10 @@ it may write, and before it writes anything, and then lets the next kernel be sc
 weights, which no kernel of a step writes; the decode attention's K/V store and row indices,
 when it stores the new token itself; its merge kernel's inputs other than the partials). That
 kernel passed its own wait before it let this one be scheduled, so every kernel before it has
-finished. So the memory effects of a step
-happen in exactly the stream's order, graph-captured or not; what overlaps is the next kernel's
-launch and prologue with the end of this one. A kernel after one that was not launched this way
-(a library matrix product) just waits for it as usual.
+finished. So the memory effects of a step happen in exactly the stream's order, graph-captured
+or not; what overlaps is the next kernel's launch and prologue (and those reads) with the end of
+this one. A kernel after one that was not launched this way (a library matrix product) just
+waits for it as usual.
 
 It pays only for small forwards, and where it stops paying depends on the model's width. On an
 H200 (decode-1238, random-weight Gemma-3 shapes, both ways in one run each; docs/performance.md,
