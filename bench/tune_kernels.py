@@ -3,7 +3,8 @@
 Three families of cases, on the BENCH.md shapes:
   attention  the decode attention of a ring layer (sink + window slots) and of a paged exact layer
              (on Gemma 4, with the exact layers' own K/V heads and head size), N rows of about 1,238
-             tokens, N in 1..256
+             tokens, N in 1..256, each storing its new token as a decode step does (a ring also
+             keeping what the slot held, for the undo of a step launched ahead)
   linear     each projection of a decoder layer (QKV, O, gate/up, down) at 1..8 rows (`gemv`), or
              at 9..64 rows (`mma_rows`, and gate/up also with its activation)
   experts    (MoE shapes) the experts kernels' two stages at a few tokens, each routed to top-k
@@ -86,7 +87,9 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
         k_new = torch.randn(n, Hkv, D, device=dev, generator=g).to(dtype)
         v_new = torch.randn(n, Hkv, D, device=dev, generator=g).to(dtype)
         if layout == "ring":
-            kw = dict(ring=(sink, window))
+            # as the engine's steps launched ahead: the store also keeps what the slot held
+            kept = (torch.empty(n, Hkv, D, device=dev, dtype=dtype), torch.empty(n, Hkv, D, device=dev, dtype=dtype))
+            kw = dict(ring=(sink, window), evicted=kept)
             store_slot = rows * (sink + window) + sink + (pos - sink) % window
         else:
             perm = torch.randperm(n * blocks_per_row, device=dev, generator=g).int()
