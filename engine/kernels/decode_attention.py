@@ -106,10 +106,10 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _block_keys(offs, end, row, p, BlockTable, stride_bt, attn_window, sink, ring_window,
-                    PAGE: tl.constexpr, RING_SLOTS: tl.constexpr, PAGED: tl.constexpr):
-        """Store slots of the keys `offs` (< end) of `row`, whose next token is at `p`, and which of
-        them the query sees."""
+    def _key_block(K, V, offs, end, row, p, kh, d, BlockTable, stride_bt, stride_ks, stride_kh, attn_window, sink,
+                   ring_window, PAGE: tl.constexpr, RING_SLOTS: tl.constexpr, PAGED: tl.constexpr):
+        """The keys and values [BLOCK, D] of K/V head kh at key indices `offs` (< end) of `row`,
+        whose next token is at `p`, and which of them the query sees (the others read as 0)."""
         valid = offs < end
         if PAGED:
             blk = tl.load(BlockTable + row * stride_bt + offs // PAGE, mask=valid, other=0)
@@ -123,7 +123,9 @@ if triton is not None:
             off = m_off - (((m_off - r) % w) + w) % w
             kpos = tl.where(offs < sink, tl.where(offs < p, offs, -1), tl.where(off >= 0, sink + off, -1))
             valid = valid & (kpos >= 0)
-        return slot, valid & ((p - kpos) < attn_window)
+        valid = valid & ((p - kpos) < attn_window)
+        at = slot[:, None] * stride_ks + kh * stride_kh + d[None, :]
+        return tl.load(K + at, mask=valid[:, None], other=0.0), tl.load(V + at, mask=valid[:, None], other=0.0), valid
 
     @triton.jit
     def _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
@@ -204,21 +206,16 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         first = start
         if STORE and GDC:  # the first block before the wait, then the rest of the loop
-            slot, valid = _block_keys(start + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
-                                      sink, ring_window, PAGE, RING_SLOTS, PAGED)
-            k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            k, v, valid = _key_block(K, V, start + tl.arange(0, BLOCK), end, row, p, kh, d, BlockTable, stride_bt,
+                                     stride_ks, stride_kh, attn_window, sink, ring_window, PAGE, RING_SLOTS, PAGED)
             pdl_enter(GDC)
-            q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        if STORE and GDC:
             m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
             first = start + BLOCK
-        else:
-            q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
         for j0 in range(first, end, BLOCK):
-            slot, valid = _block_keys(j0 + tl.arange(0, BLOCK), end, row, p, BlockTable, stride_bt, attn_window,
-                                      sink, ring_window, PAGE, RING_SLOTS, PAGED)
-            k = tl.load(K + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_ks + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            k, v, valid = _key_block(K, V, j0 + tl.arange(0, BLOCK), end, row, p, kh, d, BlockTable, stride_bt,
+                                     stride_ks, stride_kh, attn_window, sink, ring_window, PAGE, RING_SLOTS, PAGED)
             m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
         gm = g < G
         if S == 1:
