@@ -38,6 +38,11 @@ from bench.throughput import SHAPES, copy_bandwidth, git_commit, source_digest
 from engine.kernels import decode_attention as da
 from engine.kernels import small_linear as sl
 
+try:
+    from triton.runtime.errors import OutOfResources as triton_errors
+except ImportError:  # no Triton: every launch runs the reference
+    triton_errors = ()
+
 ROTATE_BYTES = 256 << 20
 PROMPT = 1238
 
@@ -54,20 +59,32 @@ def graph_us(calls) -> float:
     return sl.graph_ms(lambda: [c() for c in calls], reps) * 1000 / (reps * len(calls))
 
 
+def launch_us(make, cfg) -> float | None:
+    """`graph_us` of the calls `make(cfg)` gives, or None where this GPU cannot run the launch
+    (more shared memory than it has: found when it compiles, before any graph is captured)."""
+    try:
+        return graph_us(make(cfg))
+    except triton_errors:
+        return None
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, min(128, math.ceil(ROTATE_BYTES / max(nbytes, 1)))) if torch.cuda.is_available() else 1
 
 
 def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtype, dev, quick: bool,
-                    seed: int = 0):
-    """Yields (layout, bytes read per call, current kwargs, candidate kwargs list, make_calls)."""
+                    seed: int = 0, layouts=("ring", "paged"), wide: bool = False):
+    """Yields (layout, bytes read per call, current kwargs, candidate kwargs list, make_calls).
+    `wide`: also 128-key blocks, four stages, and a ring in three or five splits."""
     g = torch.Generator(device=dev).manual_seed(seed)
     H = shape["num_attention_heads"]
     pos = torch.randint(PROMPT, PROMPT + 128, (n,), device=dev, generator=g)
     rows = torch.arange(n, device=dev)
     grid = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)) if not quick else
                 itertools.product((16, 32), (4,), (2, 3)))
-    for layout in ("ring", "paged"):
+    if wide:
+        grid = list(itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))
+    for layout in layouts:
         # the ring holds a sliding layer, the pages an exact one: on Gemma 4 fewer and wider K/V heads
         exact = layout == "paged" and "global_head_dim" in shape
         Hkv = shape["num_global_key_value_heads"] if exact else shape["num_key_value_heads"]
@@ -106,7 +123,10 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
 
         current = da.launch_for(layout == "paged", n, Hkv, D, dtype.itemsize)
         splits = current["splits"]
-        split_options = sorted({1, max(1, splits // 4), max(1, splits // 2), splits, min(64, splits * 2)})
+        split_options = {1, max(1, splits // 4), max(1, splits // 2), splits, min(64, splits * 2)}
+        if wide and layout == "ring":
+            split_options |= {3, 5}
+        split_options = sorted(split_options)
         cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options]
         yield layout, per, current, cands, make
 
@@ -248,6 +268,10 @@ def main() -> None:
                     help="none: no attention (default 1 8 64 256, or none for an MoE shape with --experts)")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="none: no projections")
     ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
+    ap.add_argument("--layouts", nargs="+", choices=["ring", "paged"], default=["ring", "paged"],
+                    help="attention: these layouts")
+    ap.add_argument("--attn-wide", action="store_true",
+                    help="attention: also 128-key blocks, four stages, and a ring in three or five splits")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
@@ -299,10 +323,10 @@ def main() -> None:
                 print(f"\n{name} decode attention, rows of ~{PROMPT} tokens (us; GB/s of K/V read)")
                 print(f"{'layout':7} {'N':>4} {'floor':>7} {'current':>16} {'best':>16}  best launch")
             for n in attention_n:
-                for layout, nbytes, current, cands, make in attention_cases(shape, n, a.page, a.sink, a.window,
-                                                                              dtype, dev, a.quick):
+                for layout, nbytes, current, cands, make in attention_cases(
+                        shape, n, a.page, a.sink, a.window, dtype, dev, a.quick, layouts=a.layouts, wide=a.attn_wide):
                     cur = graph_us(make(current))
-                    timed = [(graph_us(make(c)), c) for c in cands]
+                    timed = [(t, c) for c in cands if (t := launch_us(make, c)) is not None]
                     best_us, best = min(timed, key=lambda t: t[0])
                     floor = nbytes / bw * 1e6
                     print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s "
