@@ -268,6 +268,8 @@ def main() -> None:
                     help="none: no attention (default 1 8 64 256, or none for an MoE shape with --experts)")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="none: no projections")
     ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false",
+                    help="attention: time the current launch only")
     ap.add_argument("--layouts", nargs="+", choices=["ring", "paged"], default=["ring", "paged"],
                     help="attention: these layouts")
     ap.add_argument("--attn-wide", action="store_true",
@@ -326,7 +328,8 @@ def main() -> None:
                 for layout, nbytes, current, cands, make in attention_cases(
                         shape, n, a.page, a.sink, a.window, dtype, dev, a.quick, layouts=a.layouts, wide=a.attn_wide):
                     cur = graph_us(make(current))
-                    timed = [(t, c) for c in cands if (t := launch_us(make, c)) is not None]
+                    timed = [(cur, current)] + [(t, c) for c in (cands if a.sweep else [])
+                                                if (t := launch_us(make, c)) is not None]
                     best_us, best = min(timed, key=lambda t: t[0])
                     floor = nbytes / bw * 1e6
                     print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s "
