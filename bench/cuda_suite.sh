@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|step-n64|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -310,10 +310,16 @@ for _ in range(5):
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF==" | tail -120 ;;
   capacity)
     python3 -m bench.capacity --shape gemma3-4b --budget-gb "${BUDGET_GB:-4}" --context 1238 8192 --out "$OUT" ;;
-  attn-ring)  # the ring layers' decode attention at many rows, and PDL at 4B N=64: Nsight Compute on
-    # Gemma-3 4B's ring attention at 64 rows (its current launch), a wider grid of launches at 64 and
-    # 256 rows, then the 4B step's graph replay at 64 rows with every kernel launched with PDL
-    # (launch.MAX_ACTIVATIONS raised) against the default, alternating, twice
+  attn-ring)  # the ring layers' decode attention at many rows: Nsight Compute on Gemma-3 4B's ring
+    # attention at 64 rows (its current launch), the current launch of this tree and BEFORE's (a
+    # directory holding an earlier tree) alternating, twice, at 64 and 256 rows of 4B and 1B, then a
+    # wider grid of launches at 64 and 256 rows of 4B; first the GPU tests named by AB_TESTS (a pytest -k
+    # expression over test_cuda.py; TESTS=0 skips them)
+    if [ "${TESTS:-1}" != 0 ]; then
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
+        -k "${AB_TESTS:-decode_attention or graph_decode or fused_forward or pdl_launches or overlap}" 2>&1 \
+        | tee "$OUT/cuda-tests-attn-ring.log" | grep -E "passed|failed|Error" | tail -20
+    fi
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] && timeout 150 "$NCU" --clock-control none -k regex:_partial_kernel -s 3 -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
@@ -326,18 +332,30 @@ for _, _, current, _, make in attention_cases(SHAPES['gemma3-4b'], 64, 16, 4, 64
     for call in make(current)[:5]:
         call()
 torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-attn-ring.log" | grep -v "^==PROF==" | grep -v "^ *$" | tail -90
-    timeout 240 python3 -m bench.tune_kernels --shape gemma3-4b --n 64 256 --rows --layouts ring --attn-wide \
-      --out "$OUT" --tag attn-ring 2>&1 | tee "$OUT/tune-kernels-attn-ring.log" | tail -5
+    out=$(cd "$OUT" && pwd)
     for i in 1 2; do
-      for limit in 1073741824 16384; do
-        echo "== launch.MAX_ACTIVATIONS=$limit"
-        timeout 150 python3 -c "
+      for side in after before; do
+        dir=.; [ $side = before ] && dir="$BEFORE"
+        (cd "$dir" && timeout 100 python3 -m bench.tune_kernels --shape gemma3-4b gemma3-1b --n 64 256 --rows \
+          --layouts ring --no-sweep --out "$out/$side" --tag attn-ring-$side-$i 2>&1 | grep -E "^ring" | sed "s/^/$side: /")
+      done
+    done
+    timeout 240 python3 -m bench.tune_kernels --shape gemma3-4b --n 64 256 --rows --layouts ring --attn-wide \
+      --out "$OUT" --tag attn-ring-sweep 2>&1 | tee "$OUT/tune-kernels-attn-ring-sweep.log" | tail -4 ;;
+  step-n64)  # the 4B step at 64 rows, graph replay: this tree, BEFORE's, and this tree with every kernel
+    # launched with PDL (launch.MAX_ACTIVATIONS raised), alternating, twice
+    for i in 1 2; do
+      for side in after before after-pdl; do
+        dir=.; [ $side = before ] && dir="$BEFORE"
+        limit=16384; [ $side = after-pdl ] && limit=1073741824
+        echo "== $side, launch.MAX_ACTIVATIONS=$limit"
+        (cd "$dir" && timeout 150 python3 -c "
 import runpy, sys
 from engine.kernels import launch
 launch.MAX_ACTIVATIONS = int(sys.argv[1])
 sys.argv = ['bench.profile_decode'] + sys.argv[2:]
 runpy.run_module('bench.profile_decode', run_name='__main__')" $limit --shape gemma3-4b --n 64 2>&1 \
-          | tee "$OUT/profile-decode-pdl-$limit-$i.log" | grep -A8 "^N="
+          | tee "$OUT/profile-decode-$side-$i.log" | grep -A6 "^N=")
       done
     done ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

@@ -75,7 +75,7 @@ def copies_for(nbytes: int) -> int:
 def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtype, dev, quick: bool,
                     seed: int = 0, layouts=("ring", "paged"), wide: bool = False):
     """Yields (layout, bytes read per call, current kwargs, candidate kwargs list, make_calls).
-    `wide`: also 128-key blocks, four stages, and a ring in three or five splits."""
+    `wide`: also 128-key blocks, one warp, and a ring in three or five splits."""
     g = torch.Generator(device=dev).manual_seed(seed)
     H = shape["num_attention_heads"]
     pos = torch.randint(PROMPT, PROMPT + 128, (n,), device=dev, generator=g)
@@ -83,7 +83,7 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
     grid = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)) if not quick else
                 itertools.product((16, 32), (4,), (2, 3)))
     if wide:
-        grid = list(itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))
+        grid = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3)))
     for layout in layouts:
         # the ring holds a sliding layer, the pages an exact one: on Gemma 4 fewer and wider K/V heads
         exact = layout == "paged" and "global_head_dim" in shape
@@ -127,7 +127,8 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
         if wide and layout == "ring":
             split_options |= {3, 5}
         split_options = sorted(split_options)
-        cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options]
+        cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options
+                 if layout == "paged" or s <= max(1, math.ceil((sink + window) / b))]  # a ring: no more splits than blocks
         yield layout, per, current, cands, make
 
 
@@ -273,7 +274,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=["ring", "paged"], default=["ring", "paged"],
                     help="attention: these layouts")
     ap.add_argument("--attn-wide", action="store_true",
-                    help="attention: also 128-key blocks, four stages, and a ring in three or five splits")
+                    help="attention: also 128-key blocks, one warp, and a ring in three or five splits")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
