@@ -189,6 +189,74 @@ def test_decode_attention_kernel_stores_the_new_token(layout, dtype, launch):
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5) and store_diff == 0
 
 
+@pytest.mark.parametrize("layout", ["paged", "ring"])
+@pytest.mark.parametrize("launch", [dict(splits=1, block=32), dict(splits=64, block=16)], ids=["one-split", "merged"])
+def test_decode_attention_with_pdl_reads_q_and_the_new_token_after_a_late_writer(layout, launch):
+    """Launched with PDL right behind a kernel that lets it start at once and writes q, k_new and
+    v_new only after a long spin (late_writer.py), the attention reads what that kernel wrote:
+    output, store and kept K/V equal the reference's on those values. The control: a kernel in the
+    same place that reads the buffer before its PDL wait gets what was there before, so on this
+    GPU a read ahead of the wait would show."""
+    from engine.kernels import launch as pdl_launch
+    from engine.kernels.decode_attention import decode_attention, reference
+    from engine.kv.policy import ring_slot
+    from tests.equivalence.late_writer import early_read, late_copy
+
+    assert pdl_launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    device, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(9)
+    B, H, hkv, D, page, num_rows, max_blocks, sink, window = 6, 8, 2, 64, 16, 8, 20, 4, 60
+    rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
+    pos = torch.randint(0, page * max_blocks - 1, (B,), device=device, generator=gen)
+    if layout == "paged":
+        table = (1 + torch.randperm(num_rows * max_blocks, device=device, generator=gen)).view(num_rows, -1)
+        kw = dict(block_table=table.to(torch.int32), page=page)
+        n = (num_rows * max_blocks + 2) * page
+        slot = table[rows, pos // page].long() * page + pos % page
+    else:
+        kw = dict(ring=(sink, window))
+        n = num_rows * (sink + window)
+        slot = torch.tensor([int(r) * (sink + window) + ring_slot(int(p), sink, window) for r, p in zip(rows, pos)],
+                            device=device)
+    ks = torch.randn(n, hkv, D, device=device, generator=gen).to(dtype)
+    vs = torch.randn(n, hkv, D, device=device, generator=gen).to(dtype)
+    shapes = ((B, H, D), (B, hkv, D), (B, hkv, D))
+    sizes = [a * b * c for a, b, c in shapes]
+    fresh = torch.randn(sum(sizes), device=device, generator=gen).to(dtype)
+    stale = -fresh
+
+    def inputs(buf):
+        return [t.view(shape) for t, shape in zip(buf.split(sizes), shapes)]
+
+    rk, rv = ks.clone(), vs.clone()
+    kept_ref = (torch.zeros(B, hkv, D, device=device, dtype=dtype), torch.zeros(B, hkv, D, device=device, dtype=dtype))
+    q, k_new, v_new = inputs(fresh)
+    want = reference(q, rk, rv, rows, pos, scale=D ** -0.5, k_new=k_new, v_new=v_new, store_slot=slot,
+                     evicted=kept_ref if layout == "ring" else None, **kw).float()
+    buf = torch.empty_like(fresh)
+    for attempt in ("compile", "check"):  # the first round compiles: the host is slower than any spin
+        k, v = ks.clone(), vs.clone()
+        kept = (torch.zeros_like(kept_ref[0]), torch.zeros_like(kept_ref[1]))
+        torch.cuda.synchronize()
+        buf.copy_(stale)
+        late_copy(fresh, buf)
+        seen = early_read(buf)
+        buf.copy_(stale)
+        late_copy(fresh, buf)
+        q, k_new, v_new = inputs(buf)
+        out = decode_attention(q, k, v, rows, pos, scale=D ** -0.5, k_new=k_new, v_new=v_new, store_slot=slot,
+                               evicted=kept if layout == "ring" else None, pdl=True, **launch, **kw).float()
+        torch.cuda.synchronize()
+    early = (seen == stale).float().mean().item()
+    err = ((out - want).norm() / want.norm()).item()
+    print(f"{layout} {launch}: the early reader saw {early:.0%} stale; attention rel err {err:.1e}")
+    assert early > 0.5, "the early reader saw the late writer's values: no PDL window to test in"
+    assert torch.equal(buf, fresh) and err < 1e-2
+    assert torch.equal(k, rk) and torch.equal(v, rv)
+    if layout == "ring":
+        assert torch.equal(kept[0], kept_ref[0]) and torch.equal(kept[1], kept_ref[1])
+
+
 @pytest.mark.parametrize("policy", ["s5", "native"])
 def test_cuda_graph_decode_equals_eager_decode(policy):
     """bfloat16 random Gemma-3 (1B-like head layout, small): greedy tokens of the captured decode
