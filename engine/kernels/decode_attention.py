@@ -106,10 +106,18 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _ring_wrap(p, sink, ring_window):
+        """(p - 1 - sink) mod the window, in [0, window): with it `_key_block` finds each ring
+        slot's position without a division per key."""
+        w = tl.maximum(ring_window, 1)
+        return (((p - 1 - sink) % w) + w) % w
+
+    @triton.jit
     def _key_block(K, V, offs, end, row, p, kh, d, BlockTable, stride_bt, stride_ks, stride_kh, attn_window, sink,
-                   ring_window, PAGE: tl.constexpr, RING_SLOTS: tl.constexpr, PAGED: tl.constexpr):
+                   ring_window, wrap, PAGE: tl.constexpr, RING_SLOTS: tl.constexpr, PAGED: tl.constexpr):
         """The keys and values [BLOCK, D] of K/V head kh at key indices `offs` (< end) of `row`,
-        whose next token is at `p`, and which of them the query sees (the others read as 0)."""
+        whose next token is at `p`, and which of them the query sees (the others read as 0).
+        `wrap`: `_ring_wrap` of the row (rings only)."""
         valid = offs < end
         if PAGED:
             blk = tl.load(BlockTable + row * stride_bt + offs // PAGE, mask=valid, other=0)
@@ -117,10 +125,11 @@ if triton is not None:
             kpos = offs
         else:
             slot = row * RING_SLOTS + offs
-            m_off = p - 1 - sink
-            r = offs - sink
-            w = tl.maximum(ring_window, 1)
-            off = m_off - (((m_off - r) % w) + w) % w
+            # slot sink + r (0 <= r < w) holds sink + off, off = m - ((m - r) mod w), m = p - 1 - sink;
+            # (m - r) mod w = wrap - r, plus w where that is negative (slots outside the window's
+            # range are masked or take the sink branch)
+            t = wrap - (offs - sink)
+            off = (p - 1 - sink) - tl.where(t < 0, t + tl.maximum(ring_window, 1), t)
             kpos = tl.where(offs < sink, tl.where(offs < p, offs, -1), tl.where(off >= 0, sink + off, -1))
             valid = valid & (kpos >= 0)
         valid = valid & ((p - kpos) < attn_window)
@@ -187,9 +196,11 @@ if triton is not None:
                 hi = p
             else:
                 hi = p + 1
+            wrap = p * 0
         else:
             hi = p * 0 + RING_SLOTS
             lo = p * 0
+            wrap = _ring_wrap(p, sink, ring_window)
         per = tl.cdiv(tl.cdiv(hi - lo, S), BLOCK) * BLOCK
         start = lo + s * per
         end = tl.minimum(start + per, hi)
@@ -207,21 +218,24 @@ if triton is not None:
         first = start
         if STORE and GDC:  # the first block before the wait, then the rest of the loop
             k, v, valid = _key_block(K, V, start + tl.arange(0, BLOCK), end, row, p, kh, d, BlockTable, stride_bt,
-                                     stride_ks, stride_kh, attn_window, sink, ring_window, PAGE, RING_SLOTS, PAGED)
+                                     stride_ks, stride_kh, attn_window, sink, ring_window, wrap, PAGE, RING_SLOTS,
+                                     PAGED)
             pdl_enter(GDC)
         q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        if S == 1 and EXTRA:  # the new token, not (yet) in the store: read with q, not after the keys
+            k_in = tl.load(Knew + b * stride_kb + kh * stride_knh + d)
+            v_in = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d)
         if STORE and GDC:
             m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
             first = start + BLOCK
         for j0 in range(first, end, BLOCK):
             k, v, valid = _key_block(K, V, j0 + tl.arange(0, BLOCK), end, row, p, kh, d, BlockTable, stride_bt,
-                                     stride_ks, stride_kh, attn_window, sink, ring_window, PAGE, RING_SLOTS, PAGED)
+                                     stride_ks, stride_kh, attn_window, sink, ring_window, wrap, PAGE, RING_SLOTS,
+                                     PAGED)
             m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
         gm = g < G
         if S == 1:
-            if EXTRA:  # the new token, not (yet) in the store
-                k_in = tl.load(Knew + b * stride_kb + kh * stride_knh + d)
-                v_in = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d)
+            if EXTRA:  # the new token
                 kn = k_in.to(tl.float32)
                 sn = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale  # [GP]
                 if SOFTCAP:

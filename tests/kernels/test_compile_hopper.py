@@ -326,3 +326,16 @@ def test_decode_attention_reads_what_the_kernel_before_it_does_not_write_before_
         assert {"Mpart", "Lpart", "Opart"} <= after and not before & {"Mpart", "Lpart", "Opart", "Out"}, (before, after)
         want = {"Q", "Knew", "Vnew", "Slots"} | ({"Kstore", "Vstore"} if not paged else set()) if store else set()
         assert before == want, (before, want)
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split"])
+def test_ring_attention_finds_slot_positions_without_a_division_per_key(splits):
+    """A ring slot's position takes one 64-bit remainder per program (`_ring_wrap`), not two per
+    key: a 64-bit remainder is a long instruction sequence on the GPU, and each block's loads
+    wait on its keys' positions (their masks)."""
+    pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
+    partial, _ = _attention_kernels(False, splits, True, evict=True)
+    ptx = partial.asm["ptx"]
+    divisions = sum(op in ptx_line for ptx_line in ptx.splitlines() for op in ("rem.s64", "div.s64", "rem.u64",
+                                                                               "div.u64"))
+    assert divisions <= 2, divisions
