@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|attn-regs|step-n64|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|step-n64|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -342,16 +342,6 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-attn-ring.log" | grep -v "^==PROF
     done
     timeout 240 python3 -m bench.tune_kernels --shape gemma3-4b --n 64 256 --rows --layouts ring --attn-wide \
       --out "$OUT" --tag attn-ring-sweep 2>&1 | tee "$OUT/tune-kernels-attn-ring-sweep.log" | tail -4 ;;
-  attn-regs)  # the ring attention's launch with its registers capped (ATTN_CAPS, default 168: three blocks of
-    # four warps per SM, as shared memory allows) against no cap, at 64, 128 and 256 rows of 4B and 1B,
-    # twice; first the decode attention's store and PDL-order GPU tests (the capped launch among them)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
-      -k "stores_the_new_token or late_writer or attention_kernel_matches" 2>&1 | tee "$OUT/cuda-tests-attn-regs.log" \
-      | grep -E "passed|failed|Error" | tail -10
-    for i in 1 2; do
-      timeout 150 python3 -m bench.tune_kernels --shape gemma3-4b gemma3-1b --n 64 128 256 --rows --layouts ring \
-        --no-sweep --maxnreg ${ATTN_CAPS:-168} --out "$OUT" --tag attn-regs-$i 2>&1 | grep -E "^ring"
-    done ;;
   step-n64)  # the 4B step at 64 rows, graph replay: this tree, BEFORE's, and this tree with every kernel
     # launched with PDL (launch.MAX_ACTIVATIONS raised), alternating, twice
     for i in 1 2; do

@@ -271,8 +271,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="attention: 16- and 32-key blocks, 4 warps, 2-3 stages")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="attention: time the current launch only")
-    ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
-                    help="attention: also the current launch with its registers capped at each of these")
     ap.add_argument("--layouts", nargs="+", choices=["ring", "paged"], default=["ring", "paged"],
                     help="attention: these layouts")
     ap.add_argument("--attn-wide", action="store_true",
@@ -331,17 +329,15 @@ def main() -> None:
                 for layout, nbytes, current, cands, make in attention_cases(
                         shape, n, a.page, a.sink, a.window, dtype, dev, a.quick, layouts=a.layouts, wide=a.attn_wide):
                     cur = graph_us(make(current))
-                    capped = {cap: graph_us(make(dict(current, maxnreg=cap))) for cap in a.maxnreg}
                     timed = [(cur, current)] + [(t, c) for c in (cands if a.sweep else [])
                                                 if (t := launch_us(make, c)) is not None]
                     best_us, best = min(timed, key=lambda t: t[0])
                     floor = nbytes / bw * 1e6
                     print(f"{layout:7} {n:4} {floor:7.1f} {cur:8.1f} {nbytes / cur / 1e3:6.0f}GB/s "
-                          f"{best_us:8.1f} {nbytes / best_us / 1e3:6.0f}GB/s  {best}"
-                          + "".join(f"; at most {cap} registers {t:.1f}" for cap, t in capped.items()))
+                          f"{best_us:8.1f} {nbytes / best_us / 1e3:6.0f}GB/s  {best}")
                     results["attention"].append(dict(
                         shape=name, layout=layout, n=n, bytes=nbytes, floor_us=floor, current=current,
-                        current_us=cur, best=best, best_us=best_us, capped_us=capped,
+                        current_us=cur, best=best, best_us=best_us,
                         all=[dict(us=t, **c) for t, c in sorted(timed, key=lambda t: t[0])[:12]]))
             if a.rows and not moe_shape:
                 print(f"\n{name} projections (us; GB/s of weight read)")

@@ -352,16 +352,14 @@ def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256, item
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
                      block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, evicted=None,
-                     out=None, splits=None, block=None, warps=None, stages=None, maxnreg=None,
-                     pdl=False) -> torch.Tensor:
+                     out=None, splits=None, block=None, warps=None, stages=None, pdl=False) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
     The launch settings default to `launch_for`'s.
     With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
     one split, the partial kernel writes it after its own reads and no merge runs), so a paged
     layer's new token is attended from k_new / v_new (as a ring layer's is) and no separate store
     runs. `splits` (at most; a ring takes no more than its blocks), `block` (keys per
-    iteration), `warps`, `stages` and `maxnreg` (registers a thread may use at most; None: as
-    many as the compiler takes) set the partial kernel's launch. `evicted` (ring layers with
+    iteration), `warps` and `stages` set the partial kernel's launch. `evicted` (ring layers with
     `store_slot`): a pair of [>= B, Hkv, D] tensors; the store first copies there what each slot
     held (a step run ahead of the host's verdict undoes its store with them). `pdl`: both kernels
     launched with PDL (kernels/launch.py; the caller checked that the device supports it); with
@@ -408,7 +406,7 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
         NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, num_warps=warps, num_stages=stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **kernel_args(pdl),
+        **kernel_args(pdl),
     )
     if S == 1:
         return out
