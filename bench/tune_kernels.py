@@ -127,8 +127,11 @@ def attention_cases(shape: dict, n: int, page: int, sink: int, window: int, dtyp
         if wide and layout == "ring":
             split_options |= {3, 5}
         split_options = sorted(split_options)
-        cands = [dict(splits=s, block=b, warps=w, stages=st) for (b, w, st) in grid for s in split_options
-                 if layout == "paged" or s <= max(1, math.ceil((sink + window) / b))]  # a ring: no more splits than blocks
+        cands = []
+        for b, w, st in grid:  # a ring takes no more splits than its blocks (decode_attention clamps them)
+            splits_here = split_options if layout == "paged" else sorted(
+                {min(s, max(1, math.ceil((sink + window) / b))) for s in split_options})
+            cands += [c for s in splits_here if (c := dict(splits=s, block=b, warps=w, stages=st)) != current]
         yield layout, per, current, cands, make
 
 

@@ -196,7 +196,9 @@ def test_decode_attention_with_pdl_reads_q_and_the_new_token_after_a_late_writer
     v_new only after a long spin (late_writer.py), the attention reads what that kernel wrote:
     output, store and kept K/V equal the reference's on those values. The control: a kernel in the
     same place that reads the buffer before its PDL wait gets what was there before, so on this
-    GPU a read ahead of the wait would show."""
+    GPU a read ahead of the wait would show. (Split, the merge kernel reads q and the new token
+    before its own wait, which is safe because it starts only after every partial program has
+    passed the wait on the writer: the test holds that chain.)"""
     from engine.kernels import launch as pdl_launch
     from engine.kernels.decode_attention import decode_attention, reference
     from engine.kv.policy import ring_slot

@@ -330,9 +330,9 @@ def test_decode_attention_reads_what_the_kernel_before_it_does_not_write_before_
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split"])
 def test_ring_attention_finds_slot_positions_without_a_division_per_key(splits):
-    """A ring slot's position takes one 64-bit remainder per program (`_ring_wrap`), not two per
-    key: a 64-bit remainder is a long instruction sequence on the GPU, and each block's loads
-    wait on its keys' positions (their masks)."""
+    """A ring slot's position takes the two 64-bit remainders of `_ring_wrap` once per program,
+    not two per key (136 in the one-split form before): a 64-bit remainder is a long instruction
+    sequence on the GPU, and each block's loads wait on its keys' positions (their masks)."""
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     partial, _ = _attention_kernels(False, splits, True, evict=True)
     ptx = partial.asm["ptx"]
