@@ -122,39 +122,49 @@ def test_decode_attention_kernel_matches_reference(layout, dtype):
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), launch
 
 
-def check_decode_attention_store(layout: str, dtype, launch: dict | None = None) -> tuple[float, float]:
-    """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
-    it; a ring also keeps what it overwrote in `evicted`) against the reference: (output rel
-    err, max |store or evicted diff|). paged-wide: 16 query heads over two K/V heads of 512, as
-    Gemma 4's exact layers."""
-    from engine.kernels.decode_attention import decode_attention, reference
+def attention_rows(layout: str, dtype, gen, device, B: int, num_rows: int, hkv: int, D: int,
+                   max_blocks: int = 20, page: int = 16, sink: int = 4, window: int = 60):
+    """B random rows of a store of `num_rows` rows (the first at position 0, the second at 3, the
+    others anywhere in `max_blocks` pages), in pages of `page` keys (layout "paged...") or in
+    rings of `sink` + `window` slots: (rows, pos, the layout's decode_attention keywords, the slot
+    each row's new token takes, K store, V store)."""
     from engine.kv.policy import ring_slot
 
-    device = "cuda"
-    gen = torch.Generator(device=device).manual_seed(5)
-    B, H, hkv, D, page, num_rows, max_blocks = 9, 8, 2, 64, 16, 12, 20
-    if layout == "paged-wide":
-        H, D = 16, 512
     rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
     pos = torch.randint(0, page * max_blocks - 1, (B,), device=device, generator=gen)
     pos[0], pos[1] = 0, 3
-    q = torch.randn(B, H, D, device=device, dtype=dtype, generator=gen)
-    kw = dict(scale=D ** -0.5, softcap=None, attn_window=50 if layout == "paged-window" else None,
-              k_new=torch.randn(B, hkv, D, device=device, dtype=dtype, generator=gen),
-              v_new=torch.randn(hkv, B, D, device=device, dtype=dtype, generator=gen).transpose(0, 1))
     if layout.startswith("paged"):
         table = (1 + torch.randperm(num_rows * max_blocks, device=device, generator=gen)).view(num_rows, -1)
-        kw.update(block_table=table.to(torch.int32), page=page)
+        kw = dict(block_table=table.to(torch.int32), page=page)
         n = (num_rows * max_blocks + 2) * page
         slot = table[rows, pos // page].long() * page + pos % page
     else:
-        sink, window = 4, 60
-        kw.update(ring=(sink, window))
+        kw = dict(ring=(sink, window))
         n = num_rows * (sink + window)
         slot = torch.tensor([int(r) * (sink + window) + ring_slot(int(p), sink, window) for r, p in zip(rows, pos)],
                             device=device)
     ks = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
     vs = torch.randn(n, hkv, D, device=device, dtype=dtype, generator=gen)
+    return rows, pos, kw, slot, ks, vs
+
+
+def check_decode_attention_store(layout: str, dtype, launch: dict | None = None,
+                                 device: str = "cuda") -> tuple[float, float]:
+    """The kernels with `store_slot` (attend, then write the new K/V where the reference writes
+    it; a ring also keeps what it overwrote in `evicted`) against the reference: (output rel
+    err, max |store or evicted diff|). paged-wide: 16 query heads over two K/V heads of 512, as
+    Gemma 4's exact layers."""
+    from engine.kernels.decode_attention import decode_attention, reference
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    B, H, hkv, D = 9, 8, 2, 64
+    if layout == "paged-wide":
+        H, D = 16, 512
+    rows, pos, kw, slot, ks, vs = attention_rows(layout, dtype, gen, device, B, num_rows=12, hkv=hkv, D=D)
+    q = torch.randn(B, H, D, device=device, dtype=dtype, generator=gen)
+    kw.update(scale=D ** -0.5, softcap=None, attn_window=50 if layout == "paged-window" else None,
+              k_new=torch.randn(B, hkv, D, device=device, dtype=dtype, generator=gen),
+              v_new=torch.randn(hkv, B, D, device=device, dtype=dtype, generator=gen).transpose(0, 1))
     rk, rv = ks.clone(), vs.clone()
     evicted = ref_evicted = None
     if not layout.startswith("paged"):
@@ -201,27 +211,13 @@ def test_decode_attention_with_pdl_reads_q_and_the_new_token_after_a_late_writer
     passed the wait on the writer: the test holds that chain.)"""
     from engine.kernels import launch as pdl_launch
     from engine.kernels.decode_attention import decode_attention, reference
-    from engine.kv.policy import ring_slot
     from tests.equivalence.late_writer import early_read, late_copy
 
     assert pdl_launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
     device, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(9)
-    B, H, hkv, D, page, num_rows, max_blocks, sink, window = 6, 8, 2, 64, 16, 8, 20, 4, 60
-    rows = torch.randperm(num_rows, device=device, generator=gen)[:B]
-    pos = torch.randint(0, page * max_blocks - 1, (B,), device=device, generator=gen)
-    if layout == "paged":
-        table = (1 + torch.randperm(num_rows * max_blocks, device=device, generator=gen)).view(num_rows, -1)
-        kw = dict(block_table=table.to(torch.int32), page=page)
-        n = (num_rows * max_blocks + 2) * page
-        slot = table[rows, pos // page].long() * page + pos % page
-    else:
-        kw = dict(ring=(sink, window))
-        n = num_rows * (sink + window)
-        slot = torch.tensor([int(r) * (sink + window) + ring_slot(int(p), sink, window) for r, p in zip(rows, pos)],
-                            device=device)
-    ks = torch.randn(n, hkv, D, device=device, generator=gen).to(dtype)
-    vs = torch.randn(n, hkv, D, device=device, generator=gen).to(dtype)
+    B, H, hkv, D = 6, 8, 2, 64
+    rows, pos, kw, slot, ks, vs = attention_rows(layout, dtype, gen, device, B, num_rows=8, hkv=hkv, D=D)
     shapes = ((B, H, D), (B, hkv, D), (B, hkv, D))
     sizes = [a * b * c for a, b, c in shapes]
     fresh = torch.randn(sum(sizes), device=device, generator=gen).to(dtype)
