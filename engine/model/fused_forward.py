@@ -52,6 +52,7 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.kernels import launch
+from engine.kernels.decode_attention import QKNorm
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
@@ -290,10 +291,28 @@ class FusedDecoder:
         return h, self._tables(h, positions), self.pdl_for(input_ids.shape[0])
 
     def _attend(self, qkv: torch.Tensor, L: LayerWeights, positions: torch.Tensor, tables: dict, step,
-                softcap: float | None, pdl: bool, *norm) -> torch.Tensor:
+                softcap: float | None, pdl: bool, offset: float = 1.0, v_norm: bool = False,
+                v_from_k: bool = False) -> torch.Tensor:
         """A layer's attention from its fused projection qkv [T, ...]: Q and K norms and RoPE
-        (`norm`: the family's further `qk_norm_rope` arguments), then the step's row attention.
+        (`offset`, `v_norm`, `v_from_k`: the family's further `qk_norm_rope` arguments), then the
+        step's row attention; a step whose attention kernels apply the norms and RoPE themselves
+        (`norms_qk`: the static decode on CUDA) is given the raw heads and a `QKNorm`.
         Returns [T, H * D]."""
+        if getattr(step, "norms_qk", False):
+            x = qkv.view(qkv.shape[0], L.heads + (1 if v_from_k else 2) * L.kv_heads, -1)
+            q, k = x[:, : L.heads], x[:, L.heads : L.heads + L.kv_heads]
+            v = k if v_from_k else x[:, L.heads + L.kv_heads :]
+            if L.layer_type in tables:
+                cos, sin = tables[L.layer_type]
+                rope = dict(cos=cos, sin=sin)
+            else:
+                inv_freq, scaling = self.rope[L.layer_type]
+                rope = dict(inv_freq=inv_freq, rope_scaling=scaling)
+            norm = QKNorm(L.q_norm, L.k_norm, self.eps, offset, v_norm or v_from_k, **rope)
+            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                            L.scaling, softcap, qk_norm=norm)
+            return a.reshape(qkv.shape[0], -1)
+        norm = (offset, v_norm, v_from_k)
         if L.layer_type in tables:
             cos, sin = tables[L.layer_type]
             q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, self.eps, *norm, pdl=pdl,

@@ -159,6 +159,40 @@ def check_decode_attention(note) -> None:
                 if kept is not None:
                     assert torch.equal(kept[0], ref_kept[0]) and torch.equal(kept[1], ref_kept[1]), (name, launch)
                 note(f"decode_attention {name}{', storing' if storing else ''}", [got], [want])
+                if storing:
+                    check_decode_attention_norm(note, name, q, ks, vs, rows, pos, launch, args)
+
+
+def check_decode_attention_norm(note, name, q, ks, vs, rows, pos, launch, args) -> None:
+    """The kernels given the raw projections and a `QKNorm` (RoPE from tables: the interpreter has
+    no libdevice), Gemma 3's norms and Gemma 4's (offset 0, the values' scale-free norm), against
+    the reference, which normalises first; the store holds the normalised token, as the reference's."""
+    da = decode_attention
+    B, H, D = q.shape
+    inv = 1.0 / (10_000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = fused_ops.rope_tables(pos, inv, 1.0, torch.float32)
+    wq, wk = torch.randn(D) * 0.3 + 1, torch.randn(D) * 0.3 + 1
+    raw = dict(args, k_new=args["k_new"] * 3, v_new=args["v_new"] * 2)
+    for offset, v_norm in ((1.0, False), (0.0, True)):
+        norm = da.QKNorm(wq, wk, 1e-6, offset, v_norm, cos=cos, sin=sin)
+        kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
+        ref_kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
+        k, v, rk, rv = ks.clone(), vs.clone(), ks.clone(), vs.clone()
+        available, da.available = da.available, lambda device: True
+        try:
+            got = da.decode_attention(q * 2, k, v, rows, pos, evicted=kept, qk_norm=norm, **launch, **raw)
+        finally:
+            da.available = available
+        want = da.reference(q * 2, rk, rv, rows, pos, evicted=ref_kept, qk_norm=norm, **raw)
+        normed = da.qk_normed_ref(q * 2, raw["k_new"], raw["v_new"], pos, norm)
+        stored = raw["store_slot"]
+        note(f"decode_attention {name}, normalising (offset {offset:g}, v_norm {v_norm})",
+             [got, k[stored], v[stored]], [want, normed[1], normed[2]])
+        note(f"decode_attention {name}, normalising: the store", [k, v], [rk, rv])
+        if kept is not None:
+            note(f"decode_attention {name}, normalising: kept", list(kept), list(ref_kept))
+        # the reference's normalised token is not the raw one: the check can tell them apart
+        assert rel(normed[1], raw["k_new"]) > 0.1 and (not v_norm or rel(normed[2], raw["v_new"]) > 0.1)
 
 
 def check_forward() -> tuple[bool, float, int]:
@@ -182,6 +216,33 @@ def check_forward() -> tuple[bool, float, int]:
         return eng
 
     return greedy_agreement(engine, (5, 23, 9), 6)
+
+
+def check_decode_steps_normalising(family: str) -> tuple[bool, float, int]:
+    """The fused forward's static decode steps with their attention on the kernels, which normalise
+    and rotate q and the new token themselves (`DecodeBatch.norms_qk`, RoPE from tables here),
+    against the same forward with the `qk_norm_rope` kernel before the attention kernels."""
+    from engine.runner import decode_graph
+
+    available = decode_attention.available
+    decode_attention.available = lambda device: True
+    norms_qk = decode_graph.DecodeBatch.norms_qk
+
+    def engine(fused_norm: bool) -> Engine:
+        decode_graph.DecodeBatch.norms_qk = fused_norm
+        if family == "gemma4":
+            model, name = tiny_gemma4(3), "tiny-gemma4"
+        else:
+            model, name = tiny_random_model(5), "tiny-random"
+        cfg = EngineConfig(model=name, kv_sink=2, kv_window=5, kv_cache_bytes=1 << 22, max_num_batched_tokens=16,
+                           max_rows=4, decode_graphs=True, fused_layers=True)
+        return Engine(cfg, LoadedModel(model, None, name))
+
+    try:
+        return greedy_agreement(engine, (5, 23, 9), 6)
+    finally:
+        decode_attention.available = available
+        decode_graph.DecodeBatch.norms_qk = norms_qk
 
 
 def check_gemma3_forward_on_gemv() -> tuple[bool, float, int]:
@@ -235,6 +296,11 @@ def main() -> None:
     print(f"fused Gemma 4 forward on the kernels vs stock: tokens equal {same}, max |logit diff| {diff:.1e} "
           f"over {steps} steps")
     assert same and diff < 1e-3
+    for family in ("gemma3", "gemma4"):
+        same, diff, steps = check_decode_steps_normalising(family)
+        print(f"fused {family} decode steps, attention kernels normalising q and k vs the norm kernel before "
+              f"them: tokens equal {same}, max |logit diff| {diff:.1e} over {steps} steps")
+        assert same and diff < 1e-4
     same, diff, steps = check_gemma3_forward_on_gemv()
     print(f"fused Gemma 3 forward on gemv (gate/up with its activation) vs stock: tokens equal {same}, "
           f"max |logit diff| {diff:.1e} over {steps} steps")
