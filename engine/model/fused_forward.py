@@ -13,7 +13,9 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
 
 (gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
 the CUDA kernel of kernels/nf4_cuda.py, or a planned `gemv` or `mma_rows` runs it: `project`'s
-`gelu`.)
+`gelu`. In a static decode step on CUDA, qk_norm_rope is done by the row attention's kernels as
+they read q and the new token: the step says so with `norms_qk`, and takes the raw heads and a
+`decode_attention.QKNorm`.)
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
