@@ -367,7 +367,8 @@ if triton is not None:
         VNORM: tl.constexpr = False, GDC: tl.constexpr = False,
     ):
         """Merges program (row b, query head h)'s splits and the new token. Launched with PDL it
-        reads everything but the partials (q, the new token, the slot and what it holds) before
+        reads everything but the partials (q, the new token, the slot and what it holds; with
+        NORM the row's position, the norm weights and the RoPE frequencies or tables) before
         its wait: the partial kernel writes only the partials, and this kernel may start only
         once every partial program has passed its own wait, so what the kernels before that one
         wrote is complete."""

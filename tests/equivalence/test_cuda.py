@@ -231,15 +231,17 @@ def test_decode_attention_kernel_normalises_q_and_the_new_token(layout, dtype, n
     """Given the raw projections and a `QKNorm` (the static decode's form: no `qk_norm_rope`
     launch), the kernels normalise and rotate q and the new token as they read them, RoPE angles
     computed from each row's position: the reference's output (it normalises first) and its
-    store of the normalised token, to the rounding of the norm's sum (its order differs)."""
+    store of the normalised token, to bf16 rounding: the reference (the stock ops) rounds the
+    rotation's two products and their sum, the kernels their result once, so stored values may
+    differ by two bf16 steps (relative 2**-7 each)."""
     if launch.get("pdl"):
         from engine.kernels import launch as pdl_launch
 
         assert pdl_launch.supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
     err, store_diff = check_decode_attention_store(layout, dtype, launch, norm=norm)
     print(f"{layout} {dtype} {norm} {launch}: rel err {err:.1e}, store diff {store_diff:.1e} of the largest")
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert err < tol and store_diff < tol
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert store_diff < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("layout", ["paged", "ring"])
@@ -298,8 +300,8 @@ def test_decode_attention_with_pdl_reads_q_and_the_new_token_after_a_late_writer
     assert torch.equal(buf, fresh) and err < 1e-2
     if norm is None:
         assert torch.equal(k, rk) and torch.equal(v, rv)
-    else:  # normalised in another order of sums than the reference's: to its rounding
-        assert (k - rk).abs().max() <= 1e-2 * rk.abs().max() and torch.equal(v, rv)
+    else:  # the reference rounds the rotation's products and sum, the kernel its result: to bf16 steps
+        assert (k - rk).abs().max() <= 2e-2 * rk.abs().max() and torch.equal(v, rv)
     if layout == "ring":
         assert torch.equal(kept[0], kept_ref[0]) and torch.equal(kept[1], kept_ref[1])
 

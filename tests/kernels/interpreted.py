@@ -221,12 +221,23 @@ def check_forward() -> tuple[bool, float, int]:
 def check_decode_steps_normalising(family: str) -> tuple[bool, float, int]:
     """The fused forward's static decode steps with their attention on the kernels, which normalise
     and rotate q and the new token themselves (`DecodeBatch.norms_qk`, RoPE from tables here),
-    against the same forward with the `qk_norm_rope` kernel before the attention kernels."""
+    against the same forward with `qk_norm_rope` (here its torch form) before the attention
+    kernels. Counts that the normalising calls ran (with values from keys, on Gemma 4)."""
     from engine.runner import decode_graph
 
     available = decode_attention.available
     decode_attention.available = lambda device: True
     norms_qk = decode_graph.DecodeBatch.norms_qk
+    kernel = decode_graph.decode_attention
+    calls = {"normalising": 0, "values from keys": 0}
+
+    def counted(q, *args, qk_norm=None, **kw):
+        if qk_norm is not None:
+            calls["normalising"] += 1
+            calls["values from keys"] += kw["v_new"].data_ptr() == kw["k_new"].data_ptr()
+        return kernel(q, *args, qk_norm=qk_norm, **kw)
+
+    decode_graph.decode_attention = counted
 
     def engine(fused_norm: bool) -> Engine:
         decode_graph.DecodeBatch.norms_qk = fused_norm
@@ -239,10 +250,13 @@ def check_decode_steps_normalising(family: str) -> tuple[bool, float, int]:
         return Engine(cfg, LoadedModel(model, None, name))
 
     try:
-        return greedy_agreement(engine, (5, 23, 9), 6)
+        result = greedy_agreement(engine, (5, 23, 9), 6)
     finally:
         decode_attention.available = available
         decode_graph.DecodeBatch.norms_qk = norms_qk
+        decode_graph.decode_attention = kernel
+    assert calls["normalising"] >= 10 and (calls["values from keys"] > 0) == (family == "gemma4"), calls
+    return result
 
 
 def check_gemma3_forward_on_gemv() -> tuple[bool, float, int]:
