@@ -164,35 +164,58 @@ def check_decode_attention(note) -> None:
 
 
 def check_decode_attention_norm(note, name, q, ks, vs, rows, pos, launch, args) -> None:
-    """The kernels given the raw projections and a `QKNorm` (RoPE from tables: the interpreter has
-    no libdevice), Gemma 3's norms and Gemma 4's (offset 0, the values' scale-free norm), against
-    the reference, which normalises first; the store holds the normalised token, as the reference's."""
+    """The kernels given the raw projections and a `QKNorm`, Gemma 3's norms and Gemma 4's (offset
+    0, the values' scale-free norm), RoPE from tables and from angles (the interpreter has no
+    libdevice: `tl.cos` and `tl.sin` stand in for its cos and sin here, so this runs the angles'
+    logic; their accuracy is the GPU tests' part), against the reference, which normalises
+    first; the store holds the normalised token, as the reference's."""
+    import types
+
+    import triton.language as tl
+
     da = decode_attention
     B, H, D = q.shape
     inv = 1.0 / (10_000 ** (torch.arange(0, D, 2).float() / D))
     cos, sin = fused_ops.rope_tables(pos, inv, 1.0, torch.float32)
     wq, wk = torch.randn(D) * 0.3 + 1, torch.randn(D) * 0.3 + 1
     raw = dict(args, k_new=args["k_new"] * 3, v_new=args["v_new"] * 2)
-    for offset, v_norm in ((1.0, False), (0.0, True)):
-        norm = da.QKNorm(wq, wk, 1e-6, offset, v_norm, cos=cos, sin=sin)
-        kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
-        ref_kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
-        k, v, rk, rv = ks.clone(), vs.clone(), ks.clone(), vs.clone()
-        available, da.available = da.available, lambda device: True
-        try:
-            got = da.decode_attention(q * 2, k, v, rows, pos, evicted=kept, qk_norm=norm, **launch, **raw)
-        finally:
-            da.available = available
-        want = da.reference(q * 2, rk, rv, rows, pos, evicted=ref_kept, qk_norm=norm, **raw)
-        normed = da.qk_normed_ref(q * 2, raw["k_new"], raw["v_new"], pos, norm)
-        stored = raw["store_slot"]
-        note(f"decode_attention {name}, normalising (offset {offset:g}, v_norm {v_norm})",
-             [got, k[stored], v[stored]], [want, normed[1], normed[2]])
-        note(f"decode_attention {name}, normalising: the store", [k, v], [rk, rv])
-        if kept is not None:
-            note(f"decode_attention {name}, normalising: kept", list(kept), list(ref_kept))
-        # the reference's normalised token is not the raw one: the check can tell them apart
-        assert rel(normed[1], raw["k_new"]) > 0.1 and (not v_norm or rel(normed[2], raw["v_new"]) > 0.1)
+    libdevice = da.libdevice
+    da.libdevice = types.SimpleNamespace(cos=lambda x: tl.cos(x), sin=lambda x: tl.sin(x))
+    try:
+        for offset, v_norm, rope in ((1.0, False, dict(cos=cos, sin=sin)), (0.0, True, dict(cos=cos, sin=sin)),
+                                     (1.0, False, dict(inv_freq=inv, rope_scaling=0.5)),
+                                     (0.0, True, dict(inv_freq=inv, rope_scaling=1.0))):
+            check_one_qk_norm(note, name, q, ks, vs, rows, pos, launch, raw, da.QKNorm(wq, wk, 1e-6, offset, v_norm,
+                                                                                       **rope))
+    finally:
+        da.libdevice = libdevice
+
+
+def check_one_qk_norm(note, name, q, ks, vs, rows, pos, launch, raw, norm) -> None:
+    """One `QKNorm` through the kernels and the reference: outputs, the normalised token stored,
+    the whole store, and (rings) the kept K/V."""
+    da = decode_attention
+    B = q.shape[0]
+    offset, v_norm, angles = norm.offset, norm.v_norm, norm.cos is None
+    kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
+    ref_kept = (torch.zeros(B, *ks.shape[1:]), torch.zeros(B, *ks.shape[1:])) if name == "ring" else None
+    k, v, rk, rv = ks.clone(), vs.clone(), ks.clone(), vs.clone()
+    available, da.available = da.available, lambda device: True
+    try:
+        got = da.decode_attention(q * 2, k, v, rows, pos, evicted=kept, qk_norm=norm, **launch, **raw)
+    finally:
+        da.available = available
+    want = da.reference(q * 2, rk, rv, rows, pos, evicted=ref_kept, qk_norm=norm, **raw)
+    normed = da.qk_normed_ref(q * 2, raw["k_new"], raw["v_new"], pos, norm)
+    stored = raw["store_slot"]
+    note(f"decode_attention {name}, normalising (offset {offset:g}, v_norm {v_norm}, "
+         f"{'angles' if angles else 'tables'})",
+         [got, k[stored], v[stored]], [want, normed[1], normed[2]])
+    note(f"decode_attention {name}, normalising: the store", [k, v], [rk, rv])
+    if kept is not None:
+        note(f"decode_attention {name}, normalising: kept", list(kept), list(ref_kept))
+    # the reference's normalised token is not the raw one: the check can tell them apart
+    assert rel(normed[1], raw["k_new"]) > 0.1 and (not v_norm or rel(normed[2], raw["v_new"]) > 0.1)
 
 
 def check_forward() -> tuple[bool, float, int]:
