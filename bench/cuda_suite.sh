@@ -2,7 +2,7 @@
 # The CUDA checks and benchmarks in one run: GPU-marked tests (kernels vs references, graph vs
 # eager, oracle, HF generate, block reuse, bnb-4bit, device sampler, swap and rebuild), then
 # decode-1238 throughput on random-weight BENCH.md shapes, or the capacity run.
-#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|step-n64|qk-norm|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
+#   bash bench/cuda_suite.sh [results dir] [quick|full|regress|capacity|moe|moe-nf4|nf4-profile|nf4-sweep|nf4-permute|nf4-mma|nf4-cuda|nf4-tiles|nf4-stream|nf4-stage|nf4-stage-throughput|nf4-stage-check|nf4-stage-4b|attn-wide|fused-ends|nf4-block|nf4-block-profile|nf4-figures|nf4-cuda-throughput|nf4-cuda-pdl|nf4-mma-profile|nf4-mma-throughput|gemv-ab|attn-ring|step-n64|step-ab|targets|tune|overlap|overlap-1b|pdl|pdl-1b|serve|serve-4b|stall|cluster|nf4]
 # regress: BEFORE=<a directory holding an earlier tree> compares its engine with this one
 # A bitsandbytes wheel in wheels/ is installed first where the image has none.
 set -uo pipefail
@@ -358,20 +358,22 @@ runpy.run_module('bench.profile_decode', run_name='__main__')" $limit --shape ge
           | tee "$OUT/profile-decode-$side-$i.log" | grep -A6 "^N=")
       done
     done ;;
-  qk-norm)  # the Q/K norms and RoPE inside the decode attention kernels: the GPU tests named by AB_TESTS
-    # (TESTS=0 skips them), then the step's graph replay of this tree and BEFORE's (a directory holding
-    # an earlier tree) alternating, for each "shape:N" of STEPS_AB (default 1B and 4B at one row, 4B at 64)
+  step-ab)  # an engine change against an earlier tree, by the step's graph replay: the GPU tests named by
+    # AB_TESTS (a pytest -k expression over test_cuda.py; TESTS=0 skips them), then `bench.profile_decode`
+    # of this tree and BEFORE's (a directory holding an earlier tree) alternating, for each "shape:N" of
+    # STEPS_AB (default 1B and 4B at one row, 4B at 64); files tagged AB_TAG (default step-ab)
+    tag=${AB_TAG:-step-ab}
     if [ "${TESTS:-1}" != 0 ]; then
       timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
         -k "${AB_TESTS:-decode_attention or graph_decode or fused_forward or pdl_launches or overlap}" 2>&1 \
-        | tee "$OUT/cuda-tests-qk-norm.log" | grep -E "passed|failed|Error" | tail -20
+        | tee "$OUT/cuda-tests-$tag.log" | grep -E "passed|failed|Error" | tail -20
     fi
     for case in ${STEPS_AB:-gemma3-1b:1 gemma3-4b:1 gemma3-4b:64}; do
       for side in after before; do
         dir=.; [ $side = before ] && dir="$BEFORE"
         echo "== $side ${case%%:*} N=${case##*:}"
         (cd "$dir" && timeout 120 python3 -m bench.profile_decode --shape ${case%%:*} --n ${case##*:} 2>&1 \
-          | tee "$OUT/profile-decode-qk-norm-${case%%:*}-${case##*:}-$side.log" | grep -A8 "^N=")
+          | tee "$OUT/profile-decode-$tag-${case%%:*}-${case##*:}-$side.log" | grep -A8 "^N=")
       done
     done ;;
   tune)  # the decode kernels' launch settings (decode_attention.launch_for, small_linear.GEMV_CANDIDATES)

@@ -12,52 +12,15 @@ The CUDA version is a split-K ("flash decoding") Triton kernel: program (row, kv
 walks its share of the row's keys for all query heads of the group and writes a partial
 (max, sum, unnormalised output); a second kernel merges the splits (and the ring's new token).
 With one split per (row, kv head) the first kernel finishes alone: one launch per layer.
-Given a `QKNorm`, the kernels take the raw query and new key/value heads of the layer's fused
-projection and apply Gemma's Q/K norms and RoPE themselves as they read them (what they store
-is the normalised token), so a decode step has no `qk_norm_rope` launch per layer.
 `reference` computes the same function with torch ops; it is the oracle of the kernel's test and
 the path where Triton is missing.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from engine.kernels.fused_ops import qk_norm_rope_ref, rope_tables
 from engine.kernels.launch import kernel_args
-
-
-class QKNorm(NamedTuple):
-    """Gemma's RMSNorm of the query and key heads, then RoPE (`fused_ops.qk_norm_rope`), done by
-    the decode attention's kernels on q and the new token as they read them: the caller passes the
-    raw projections and skips that kernel. `offset`: 1 scales by (1 + w), 0 by w; `v_norm`: the new
-    values get a scale-free norm (values taken from the raw keys are passed as v_new). RoPE of each
-    row's position `pos`: angles from `inv_freq` [D / 2] x `rope_scaling`, as `qk_norm_rope_at`
-    computes them, or read from tables `cos`, `sin` [B, D]."""
-    wq: torch.Tensor
-    wk: torch.Tensor
-    eps: float
-    offset: float = 1.0
-    v_norm: bool = False
-    inv_freq: torch.Tensor | None = None
-    rope_scaling: float = 1.0
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-    def tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos is not None:
-            return self.cos, self.sin
-        return rope_tables(pos, self.inv_freq, self.rope_scaling, dtype)
-
-
-def qk_normed_ref(q, k_new, v_new, pos, norm: QKNorm):
-    """q [B, H, D], k_new, v_new [B, Hkv, D] as the kernels see them after `norm`."""
-    B, H, D = q.shape
-    cos, sin = norm.tables(pos, q.dtype)
-    packed = torch.cat([q, k_new, v_new], dim=1).reshape(B, -1)
-    return qk_norm_rope_ref(packed, norm.wq, norm.wk, cos, sin, H, k_new.shape[1], norm.eps, norm.offset, norm.v_norm)
 
 
 def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
@@ -76,17 +39,13 @@ def ring_positions(pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
 
 def reference(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
               block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None,
-              evicted=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+              evicted=None) -> torch.Tensor:
     """q [B, H, D]; stores [slots, Hkv, D]; rows, pos [B]. Paged when `block_table` is given, else
     `ring` = (sink, window) with k_new / v_new [B, Hkv, D]. Returns [B, H, D] in q's dtype.
     `store_slot` [B]: k_new / v_new are also written there (paged: the new token's own slot,
     before attending; ring: the slot it takes, after attending). `evicted` (ring only): a pair of
     [>= B, Hkv, D] tensors that receive what the ring slots held before the store, so the store
-    can be undone. `qk_norm` (with `store_slot`): q, k_new and v_new are the raw projections,
-    normalised and rotated first (what is stored is the normalised token)."""
-    if qk_norm is not None:
-        assert store_slot is not None and k_new is not None
-        q, k_new, v_new = qk_normed_ref(q, k_new, v_new, pos, qk_norm)
+    can be undone."""
     if store_slot is not None and block_table is not None:
         k_store.index_copy_(0, store_slot, k_new)
         v_store.index_copy_(0, store_slot, v_new)
@@ -135,7 +94,6 @@ def _reference(q, k_store, v_store, rows, pos, *, scale, softcap, attn_window, b
 try:  # Triton ships with CUDA builds of torch; the CPU path never needs it
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice  # the accurate cos/sin, as torch's (not .approx)
 
     from engine.kernels.launch import pdl_enter
 except ImportError:  # pragma: no cover - exercised where Triton is absent
@@ -154,42 +112,6 @@ if triton is not None:
         w = tl.maximum(ring_window, 1)
         r = (p - 1 - sink) % w
         return tl.where(r < 0, r + w, r)
-
-    @triton.jit
-    def _norm_rope(X, at, d, W, Cos, Sin, InvFreq, b, p, stride_c, rope_scaling, eps, offset, mask, ROWS: tl.constexpr,
-                   D: tl.constexpr, ANGLES: tl.constexpr):
-        """Heads of X at offsets `at` + d (`at` [R, 1] with ROWS, else one head), normalised by
-        weight W and rotated for position p (row b of the tables), rounded as `qk_norm_rope` rounds:
-        the norm to X's dtype, then the rotation. Each element's partner in the rotation (d +- D/2)
-        is read by a second load in the same layout, so no tensor is split or joined."""
-        HALF: tl.constexpr = D // 2
-        dt = X.dtype.element_ty
-        c = d % HALF
-        dp = (d + HALF) % D
-        if ROWS:  # `mask` [R, 1]: the rows that exist
-            x = tl.load(X + at + d, mask=mask, other=0.0).to(tl.float32)
-            xp = tl.load(X + at + dp, mask=mask, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        else:
-            x = tl.load(X + at + d).to(tl.float32)
-            xp = tl.load(X + at + dp).to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        n = (x * r * (offset + tl.load(W + d).to(tl.float32))).to(dt).to(tl.float32)
-        npart = (xp * r * (offset + tl.load(W + dp).to(tl.float32))).to(dt).to(tl.float32)
-        if ANGLES:  # the table entries, computed as `rope_tables` computes them
-            ang = p.to(tl.float32) * tl.load(InvFreq + c)
-            cs = (libdevice.cos(ang) * rope_scaling).to(dt).to(tl.float32)
-            sn = (libdevice.sin(ang) * rope_scaling).to(dt).to(tl.float32)
-        else:
-            cs = tl.load(Cos + b * stride_c + c).to(dt).to(tl.float32)
-            sn = tl.load(Sin + b * stride_c + c).to(dt).to(tl.float32)
-        return (n * cs + tl.where(d < HALF, -1.0, 1.0) * npart * sn).to(dt)
-
-    @triton.jit
-    def _scale_free_norm(X, at, d, eps, D: tl.constexpr):
-        """A head of X at `at` + d with a scale-free RMSNorm (Gemma 4's values), in X's dtype."""
-        v = tl.load(X + at + d).to(tl.float32)
-        return (v * tl.rsqrt(tl.sum(v * v, 0) / D + eps)).to(X.dtype.element_ty)
 
     @triton.jit
     def _key_block(K, V, offs, end, row, p, kh, d, BlockTable, stride_bt, stride_ks, stride_kh, attn_window, sink,
@@ -244,12 +166,10 @@ if triton is not None:
         stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
         stride_ob, stride_oh, stride_kb, stride_knh, stride_vb, stride_vnh, stride_eb, stride_eh,
         scale, softcap, attn_window, sink, ring_window,
-        Wq, Wk, Cos, Sin, InvFreq, stride_c, rope_scaling, eps, norm_offset,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE: tl.constexpr,
         RING_SLOTS: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
         BLOCK: tl.constexpr, NEW_APART: tl.constexpr, EXTRA: tl.constexpr, STORE: tl.constexpr,
-        EVICT: tl.constexpr, NORM: tl.constexpr = False, ANGLES: tl.constexpr = False, VNORM: tl.constexpr = False,
-        GDC: tl.constexpr = False,
+        EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
         """One split of (row, kv head)'s keys -> a partial (max, sum, output) per query head of
         the group. With one split (S == 1) the program finishes the job the merge kernel would:
@@ -262,9 +182,7 @@ if triton is not None:
         are read before the wait on the kernel before it: none of them is written by that kernel
         (it made q, k_new and v_new, read after the wait), so the reads overlap its end. Launched
         plainly with one split, it reads the slot and what it holds first too, so that the store
-        at its end waits on no read. NORM (`QKNorm`): q and the new token are the raw projections,
-        normalised and rotated here, after the wait (every split of a row does its own q); VNORM:
-        the new values get a scale-free norm."""
+        at its end waits on no read."""
         if not STORE:  # the caller may have just written the store: wait first
             pdl_enter(GDC)
         b = tl.program_id(0)
@@ -304,21 +222,10 @@ if triton is not None:
                                      stride_ks, stride_kh, attn_window, sink, ring_window, wrap, PAGE, RING_SLOTS,
                                      PAGED)
             pdl_enter(GDC)
-        if NORM:
-            q = _norm_rope(Q, b * stride_qb + head[:, None] * stride_qh, d[None, :], Wq, Cos, Sin, InvFreq, b, p,
-                           stride_c, rope_scaling, eps, norm_offset, (g < G)[:, None], True, D, ANGLES)
-        else:
-            q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
         if S == 1 and EXTRA:  # the new token, not (yet) in the store: read with q, not after the keys
-            if NORM:
-                k_in = _norm_rope(Knew, b * stride_kb + kh * stride_knh, d, Wk, Cos, Sin, InvFreq, b, p, stride_c,
-                                  rope_scaling, eps, norm_offset, None, False, D, ANGLES)
-            else:
-                k_in = tl.load(Knew + b * stride_kb + kh * stride_knh + d)
-            if VNORM:
-                v_in = _scale_free_norm(Vnew, b * stride_vb + kh * stride_vnh, d, eps, D)
-            else:
-                v_in = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d)
+            k_in = tl.load(Knew + b * stride_kb + kh * stride_knh + d)
+            v_in = tl.load(Vnew + b * stride_vb + kh * stride_vnh + d)
         if STORE and GDC:
             m_i, l_i, acc = _attend_block(q, k, v, valid, m_i, l_i, acc, scale, softcap, SOFTCAP, IEEE)
             first = start + BLOCK
@@ -361,14 +268,11 @@ if triton is not None:
         Out, Opart, Mpart, Lpart, Q, Knew, Vnew, Kstore, Vstore, Slots, Ek, Ev,
         stride_ob, stride_oh, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_ss, stride_sh, stride_eb, stride_eh, scale, softcap, H, G,
-        Pos, Wq, Wk, Cos, Sin, InvFreq, stride_c, rope_scaling, eps, norm_offset,
         D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, EXTRA: tl.constexpr, SOFTCAP: tl.constexpr,
-        STORE: tl.constexpr, EVICT: tl.constexpr, NORM: tl.constexpr = False, ANGLES: tl.constexpr = False,
-        VNORM: tl.constexpr = False, GDC: tl.constexpr = False,
+        STORE: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
     ):
         """Merges program (row b, query head h)'s splits and the new token. Launched with PDL it
-        reads everything but the partials (q, the new token, the slot and what it holds; with
-        NORM the row's position, the norm weights and the RoPE frequencies or tables) before
+        reads everything but the partials (q, the new token, the slot and what it holds) before
         its wait: the partial kernel writes only the partials, and this kernel may start only
         once every partial program has passed its own wait, so what the kernels before that one
         wrote is complete."""
@@ -378,20 +282,10 @@ if triton is not None:
         d = tl.arange(0, D)
         base = (b * H + h) * S
         sm = sidx < S
-        if EXTRA:  # the new token, not (yet) in the store (NORM: q and it normalised and rotated here)
-            if NORM:
-                p = tl.load(Pos + b)
-                q = _norm_rope(Q, b * stride_qb + h * stride_qh, d, Wq, Cos, Sin, InvFreq, b, p, stride_c,
-                               rope_scaling, eps, norm_offset, None, False, D, ANGLES).to(tl.float32)
-                k_in = _norm_rope(Knew, b * stride_kb + (h // G) * stride_kh, d, Wk, Cos, Sin, InvFreq, b, p, stride_c,
-                                  rope_scaling, eps, norm_offset, None, False, D, ANGLES)
-            else:
-                q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
-                k_in = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d)
-            if VNORM:
-                v_in = _scale_free_norm(Vnew, b * stride_vb + (h // G) * stride_vh, d, eps, D)
-            else:
-                v_in = tl.load(Vnew + b * stride_vb + (h // G) * stride_vh + d)
+        if EXTRA:  # the new token, not (yet) in the store
+            q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
+            k_in = tl.load(Knew + b * stride_kb + (h // G) * stride_kh + d)
+            v_in = tl.load(Vnew + b * stride_vb + (h // G) * stride_vh + d)
         if STORE:  # the first query head of each group writes its K/V head's new token
             writer = (d * 0 + h % G) == 0
             dest = tl.load(Slots + b)
@@ -459,8 +353,7 @@ def launch_for(paged: bool, batch: int, kv_heads: int, head_dim: int = 256, item
 
 def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, attn_window=None,
                      block_table=None, page=0, ring=None, k_new=None, v_new=None, store_slot=None, evicted=None,
-                     out=None, splits=None, block=None, warps=None, stages=None, pdl=False,
-                     qk_norm: QKNorm | None = None) -> torch.Tensor:
+                     out=None, splits=None, block=None, warps=None, stages=None, pdl=False) -> torch.Tensor:
     """Same contract as `reference`; Triton kernels on CUDA (no host sync, graph-capturable).
     The launch settings default to `launch_for`'s.
     With `store_slot`, the merge kernel writes the new K/V once the partial kernel is done (with
@@ -472,13 +365,11 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     held (a step run ahead of the host's verdict undoes its store with them). `pdl`: both kernels
     launched with PDL (kernels/launch.py; the caller checked that the device supports it); with
     `store_slot` too, the kernel launched just before must not write the stores, `rows`, `pos`,
-    `block_table` or `store_slot`, which the partial kernel reads before its wait. `qk_norm` (with
-    `store_slot`): q, k_new and v_new are the raw projections, and the kernels normalise and rotate
-    them (`QKNorm`) as they read them, in place of a `qk_norm_rope` launch before this one."""
+    `block_table` or `store_slot`, which the partial kernel reads before its wait."""
     if not available(q.device):
         return reference(q, k_store, v_store, rows, pos, scale=scale, softcap=softcap, attn_window=attn_window,
                          block_table=block_table, page=page, ring=ring, k_new=k_new, v_new=v_new,
-                         store_slot=store_slot, evicted=evicted, qk_norm=qk_norm)
+                         store_slot=store_slot, evicted=evicted)
     B, H, D = q.shape
     hkv = k_store.shape[1]
     G = H // hkv
@@ -507,31 +398,15 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     mpart = torch.empty(parts, dtype=torch.float32, device=q.device)
     lpart = torch.empty(parts, dtype=torch.float32, device=q.device)
     bt = block_table if paged else rows  # any int tensor; unused for rings
-    norm = qk_norm
-    if norm is not None:
-        assert store and D % 2 == 0 and norm.wq.numel() == D and norm.wk.numel() == D
-        angles = norm.cos is None
-        if angles:
-            assert norm.inv_freq.dtype == torch.float32 and norm.inv_freq.numel() * 2 == D
-            cos = sin = inv_freq = norm.inv_freq
-        else:
-            cos, sin, inv_freq = norm.cos.contiguous(), norm.sin.contiguous(), q
-            assert cos.shape == (B, D) and sin.shape == (B, D)
-        norm_args = (norm.wq, norm.wk, cos, sin, inv_freq, cos.stride(0), float(norm.rope_scaling), float(norm.eps),
-                     float(norm.offset))
-        norm_flags = dict(NORM=True, ANGLES=angles, VNORM=bool(norm.v_norm))
-    else:
-        norm_args = (q, q, q, q, q, 0, 1.0, 0.0, 0.0)
-        norm_flags = {}
     _partial_kernel[(B, hkv, S)](
         q, k_store, v_store, opart, mpart, lpart, bt, rows, pos,
         out, kn, vn, slots, ek, ev,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), bt.stride(0) if paged else 0,
         out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         ek.stride(0), ek.stride(1), scale, softcap or 0.0, attn_window if attn_window is not None else 1 << 30, sink, window,
-        *norm_args, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, S=S, PAGE=max(page, 1), RING_SLOTS=max(ring_slots, 1),
         PAGED=paged, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, BLOCK=block,
-        NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, **norm_flags, num_warps=warps, num_stages=stages,
+        NEW_APART=new_apart, EXTRA=extra, STORE=store, EVICT=evict, num_warps=warps, num_stages=stages,
         **kernel_args(pdl),
     )
     if S == 1:
@@ -539,8 +414,8 @@ def decode_attention(q, k_store, v_store, rows, pos, *, scale, softcap=None, att
     _combine_kernel[(B, H)](
         out, opart, mpart, lpart, q, kn, vn, k_store, v_store, slots, ek, ev,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        k_store.stride(0), k_store.stride(1), ek.stride(0), ek.stride(1), scale, softcap or 0.0, H, G, pos,
-        *norm_args, D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None,
-        STORE=store, EVICT=evict, **norm_flags, num_warps=4, **kernel_args(pdl),
+        k_store.stride(0), k_store.stride(1), ek.stride(0), ek.stride(1), scale, softcap or 0.0, H, G,
+        D=D, S=S, SP=max(2, triton.next_power_of_2(S)), EXTRA=extra, SOFTCAP=softcap is not None, STORE=store,
+        EVICT=evict, num_warps=4, **kernel_args(pdl),
     )
     return out

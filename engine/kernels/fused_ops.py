@@ -11,8 +11,7 @@ kilobytes, so their launches, not their bytes, cost the time. Three kernels do t
   qk_norm_rope  per head of the fused QKV output: RMSNorm of Q and K heads, then RoPE, in place
                 (`qk_norm_rope_at` computes the RoPE tables' entries itself from the positions,
                 as the stock rotary embedding does, instead of reading tables made by ~9 kernels
-                per layer type; in a static decode step on CUDA the decode attention's kernels
-                do the same work on q and the new token instead: decode_attention.QKNorm)
+                per layer type)
   gelu_mul      gelu_tanh(gate) * up from the fused gate/up output
 
 Gemma 4 layers use the same kernels with their own norm (`offset` 0: x * w, not x * (1 + w)), a

@@ -13,9 +13,7 @@ bandwidth. `FusedGemma3` computes the same function with, per layer:
 
 (gelu_mul is computed by the gate/up product's own kernels where an NF4 weight's product runs on
 the CUDA kernel of kernels/nf4_cuda.py, or a planned `gemv` or `mma_rows` runs it: `project`'s
-`gelu`. In a static decode step on CUDA, qk_norm_rope is done by the row attention's kernels as
-they read q and the new token: the step says so with `norms_qk`, and takes the raw heads and a
-`decode_attention.QKNorm`.)
+`gelu`.)
 
 At a few rows (decode batches up to 8) each product is a matrix-vector product bound by reading
 its weight; where one `gemv` kernel reads it faster than the library's product (timed per
@@ -54,7 +52,6 @@ from torch import nn
 
 from engine.model import hf_adapter
 from engine.kernels import launch
-from engine.kernels.decode_attention import QKNorm
 from engine.kernels.fused_ops import add_rmsnorm, gelu_mul, qk_norm_rope, qk_norm_rope_at, rmsnorm, rope_tables
 from engine.kernels.rmsnorm import FusedRMSNorm
 from engine.kernels import nf4
@@ -293,28 +290,10 @@ class FusedDecoder:
         return h, self._tables(h, positions), self.pdl_for(input_ids.shape[0])
 
     def _attend(self, qkv: torch.Tensor, L: LayerWeights, positions: torch.Tensor, tables: dict, step,
-                softcap: float | None, pdl: bool, offset: float = 1.0, v_norm: bool = False,
-                v_from_k: bool = False) -> torch.Tensor:
+                softcap: float | None, pdl: bool, *norm) -> torch.Tensor:
         """A layer's attention from its fused projection qkv [T, ...]: Q and K norms and RoPE
-        (`offset`, `v_norm`, `v_from_k`: the family's further `qk_norm_rope` arguments), then the
-        step's row attention; a step whose attention kernels apply the norms and RoPE themselves
-        (`norms_qk`: the static decode on CUDA) is given the raw heads and a `QKNorm`.
+        (`norm`: the family's further `qk_norm_rope` arguments), then the step's row attention.
         Returns [T, H * D]."""
-        if getattr(step, "norms_qk", False):
-            x = qkv.view(qkv.shape[0], L.heads + (1 if v_from_k else 2) * L.kv_heads, -1)
-            q, k = x[:, : L.heads], x[:, L.heads : L.heads + L.kv_heads]
-            v = k if v_from_k else x[:, L.heads + L.kv_heads :]
-            if L.layer_type in tables:
-                cos, sin = tables[L.layer_type]
-                rope = dict(cos=cos, sin=sin)
-            else:
-                inv_freq, scaling = self.rope[L.layer_type]
-                rope = dict(inv_freq=inv_freq, rope_scaling=scaling)
-            norm = QKNorm(L.q_norm, L.k_norm, self.eps, offset, v_norm or v_from_k, **rope)
-            a = step.attend(L.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                            L.scaling, softcap, qk_norm=norm)
-            return a.reshape(qkv.shape[0], -1)
-        norm = (offset, v_norm, v_from_k)
         if L.layer_type in tables:
             cos, sin = tables[L.layer_type]
             q, k, v = qk_norm_rope(qkv, L.q_norm, L.k_norm, cos, sin, L.heads, L.kv_heads, self.eps, *norm, pdl=pdl,

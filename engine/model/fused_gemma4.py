@@ -8,8 +8,7 @@ router's softmax and top-k, and the experts' sort, gather, grouped products and 
 layer this forward runs:
 
   x -> [Q|K|V] = x Wqkv^T (full layers with values equal to keys: [Q|K]) -> qk_norm_rope (Q and
-  K norms and RoPE, V's scale-free norm; in a static decode step on CUDA, done by the attention
-  kernels, as in fused_forward.py) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
+  K norms and RoPE, V's scale-free norm) -> row attention -> O = a Wo^T -> add_rmsnorm (residual,
   post-attention norm, and the three inputs of what follows: the dense MLP's, the experts' and
   the router's) -> dense MLP ([G|U] = x Wgu^T -> gelu_mul, in the product where `project`'s
   `gelu` can -> D = m Wd^T) and, beside it, router logits -> router_topk -> experts

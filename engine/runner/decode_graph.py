@@ -100,15 +100,8 @@ class DecodeBatch:
         previous static step produced, read on the device."""
         return torch.where(self.src >= 0, self.last[self.src.clamp(min=0)], self.ids)
 
-    @property
-    def norms_qk(self) -> bool:
-        """Whether `attend` takes the raw query and key heads and a `QKNorm` (its kernels apply the
-        norms and RoPE as they read them): on CUDA, where the kernels run."""
-        return self.pool.device.type == "cuda"
-
-    def attend(self, layer, query, key, value, scaling, softcap=None, qk_norm=None) -> torch.Tensor:
-        """Attention output [1, B, H, D]; stores the new K/V. Same contract as StepAttention, but for
-        `qk_norm` (`norms_qk`): query, key and value are the raw heads, normalised by the kernels."""
+    def attend(self, layer, query, key, value, scaling, softcap=None) -> torch.Tensor:
+        """Attention output [1, B, H, D]; stores the new K/V. Same contract as StepAttention."""
         pool = self.pool
         lay = pool.layouts[layer]
         q = query[0].transpose(0, 1)  # [B, H, D]
@@ -120,16 +113,14 @@ class DecodeBatch:
         if lay.paged:
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, block_table=self.table, page=pool.block_size,
-                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, pdl=self.pdl,
-                                   qk_norm=qk_norm)
+                                   k_new=k_new, v_new=v_new, store_slot=self.paged_slot, pdl=self.pdl)
         else:
             r = pool.ring_of[layer]
             ring = pool.rings[r]
             out = decode_attention(q, ks, vs, self.rows, self.pos, scale=scaling, softcap=softcap,
                                    attn_window=lay.attn_window, ring=(ring.sink, ring.window),
                                    k_new=k_new, v_new=v_new, store_slot=self.ring_slot[r],
-                                   evicted=self.evicted[layer] if self.evicted is not None else None, pdl=self.pdl,
-                                   qk_norm=qk_norm)
+                                   evicted=self.evicted[layer] if self.evicted is not None else None, pdl=self.pdl)
         return out.unsqueeze(0)
 
 

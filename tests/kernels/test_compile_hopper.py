@@ -248,11 +248,10 @@ def test_the_tensor_core_few_row_product_compiles_for_sm90_within_shared_memory(
         assert all(ok) if not gelu else any(ok), (block_m, split, gelu, ok)
 
 
-def _attention_kernels(paged: bool, splits: int, store: bool, evict: bool, norm: bool = False):
+def _attention_kernels(paged: bool, splits: int, store: bool, evict: bool):
     """The decode attention's partial and merge kernels for Hopper, bf16, Gemma-3 4B's heads (two
     query heads per K/V head of 256), in their PDL form, with `decode_attention`'s constants for
-    a ring of 4 + 64 slots or pages of 16 keys; `norm`: normalising and rotating q and the new
-    token themselves (a `QKNorm` with the angles computed from the positions)."""
+    a ring of 4 + 64 slots or pages of 16 keys."""
     from engine.kernels import decode_attention as da
 
     types = dict(Q="*bf16", K="*bf16", V="*bf16", Opart="*fp32", Mpart="*fp32", Lpart="*fp32", BlockTable="*i32",
@@ -260,24 +259,20 @@ def _attention_kernels(paged: bool, splits: int, store: bool, evict: bool, norm:
                  Ev="*bf16")
     ints = ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_bt", "stride_ob", "stride_oh", "stride_kb",
             "stride_knh", "stride_vb", "stride_vnh", "stride_eb", "stride_eh")
-    norms = {"Wq": "*bf16", "Wk": "*bf16", "Cos": "*fp32", "Sin": "*fp32", "InvFreq": "*fp32", "stride_c": "i32",
-             "rope_scaling": "fp32", "eps": "fp32", "norm_offset": "fp32"}
-    flags = dict(NORM=norm, ANGLES=norm, VNORM=False)
     sig = {**types, **dict.fromkeys(ints, "i32"), "scale": "fp32", "softcap": "fp32", "attn_window": "i32",
-           "sink": "i32", "ring_window": "i32", **norms}
+           "sink": "i32", "ring_window": "i32"}
     extra = not paged or store
     consts = dict(G=2, GP=16, D=256, S=splits, PAGE=16, RING_SLOTS=68, PAGED=paged, SOFTCAP=False, IEEE=False,
                   BLOCK=32 if paged or splits == 1 else 16, NEW_APART=paged and store, EXTRA=extra, STORE=store,
-                  EVICT=evict, **flags, GDC=True)
+                  EVICT=evict, GDC=True)
     partial = _compile(da._partial_kernel, sig, consts, 4, 3 if splits == 1 else 2, ())
     types = dict(Out="*bf16", Opart="*fp32", Mpart="*fp32", Lpart="*fp32", Q="*bf16", Knew="*bf16", Vnew="*bf16",
                  Kstore="*bf16", Vstore="*bf16", Slots="*i64", Ek="*bf16", Ev="*bf16")
     ints = ("stride_ob", "stride_oh", "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
             "stride_ss", "stride_sh", "stride_eb", "stride_eh")
-    sig = {**types, **dict.fromkeys(ints, "i32"), "scale": "fp32", "softcap": "fp32", "H": "i32", "G": "i32",
-           "Pos": "*i64", **norms}
+    sig = {**types, **dict.fromkeys(ints, "i32"), "scale": "fp32", "softcap": "fp32", "H": "i32", "G": "i32"}
     consts = dict(D=256, S=splits, SP=max(2, 1 << (splits - 1).bit_length()), EXTRA=extra, SOFTCAP=False,
-                  STORE=store, EVICT=evict, **flags, GDC=True)
+                  STORE=store, EVICT=evict, GDC=True)
     return partial, _compile(da._combine_kernel, sig, consts, 4, 1, ())
 
 
@@ -305,29 +300,24 @@ def _loads_around_the_wait(kernel) -> tuple[set[str], set[str]]:
     return phases
 
 
-@pytest.mark.parametrize("layout", ["ring-split", "ring-whole", "paged-split", "paged-whole", "paged-stored-before",
-                                    "ring-split-norm", "ring-whole-norm", "paged-split-norm", "paged-whole-norm"])
+@pytest.mark.parametrize("layout", ["ring-split", "ring-whole", "paged-split", "paged-whole", "paged-stored-before"])
 def test_decode_attention_reads_what_the_kernel_before_it_does_not_write_before_its_pdl_wait(layout):
     """Launched with PDL and storing the new token itself, the decode attention's partial kernel
     reads only the rows' indices, block tables, store slots and the K/V store before
     `griddepcontrol.wait` (the kernel before it wrote q, k_new and v_new, read after the wait);
     where the caller stored the new token just before (no `store_slot`), nothing. The merge
-    kernel reads q, the new token, the slot and what it holds before its wait (normalising them,
-    the positions and the norm weights too), and the partials, which the partial kernel before it
-    writes, only after it. Both compile for Hopper."""
+    kernel reads q, the new token, the slot and what it holds before its wait, and the partials,
+    which the partial kernel before it writes, only after it. Both compile for Hopper."""
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
-    norm = layout.endswith("-norm")
-    layout = layout.removesuffix("-norm")
     paged = layout.startswith("paged")
     store = layout != "paged-stored-before"
     splits = 1 if layout.endswith("whole") else 4
-    partial, merge = _attention_kernels(paged, splits, store, evict=store and not paged, norm=norm)
+    partial, merge = _attention_kernels(paged, splits, store, evict=store and not paged)
     assert partial.asm["cubin"] and merge.asm["cubin"]
     before, after = _loads_around_the_wait(partial)
     if store:
         assert {"K", "V", "Rows", "Pos"} <= before <= {"K", "V", "Rows", "Pos", "BlockTable", "Slots"}, before
         assert "Q" in after, after
-        assert not norm or {"Wq", "InvFreq"} <= after, after
         assert ("Slots" in before) == (splits == 1), before  # with splits, the merge stores
     else:
         assert not before and {"Q", "K", "V", "Rows", "Pos", "BlockTable"} <= after, (before, after)
@@ -335,18 +325,17 @@ def test_decode_attention_reads_what_the_kernel_before_it_does_not_write_before_
         before, after = _loads_around_the_wait(merge)
         assert {"Mpart", "Lpart", "Opart"} <= after and not before & {"Mpart", "Lpart", "Opart", "Out"}, (before, after)
         want = {"Q", "Knew", "Vnew", "Slots"} | ({"Kstore", "Vstore"} if not paged else set()) if store else set()
-        want |= {"Pos", "Wq", "Wk", "InvFreq"} if norm else set()
         assert before == want, (before, want)
 
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split"])
 def test_ring_attention_finds_slot_positions_without_a_division_per_key(splits):
-    """A ring slot's position takes the two 64-bit remainders of `_ring_wrap` once per program,
-    not two per key (136 in the one-split form before): a 64-bit remainder is a long instruction
-    sequence on the GPU, and each block's loads wait on its keys' positions (their masks)."""
+    """A ring slot's position takes the one 64-bit remainder of `_ring_wrap` once per program,
+    not two per key: a 64-bit remainder is a long instruction sequence on the GPU, and each
+    block's loads wait on its keys' positions (their masks)."""
     pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
     partial, _ = _attention_kernels(False, splits, True, evict=True)
     ptx = partial.asm["ptx"]
     divisions = sum(op in ptx_line for ptx_line in ptx.splitlines() for op in ("rem.s64", "div.s64", "rem.u64",
                                                                                "div.u64"))
-    assert divisions <= 2, divisions
+    assert divisions <= 1, divisions
