@@ -53,6 +53,14 @@ stage_decode() {  # SHAPE SIDE: 4-bit decode at N=1 and 8 (DECODE_N)
     --layers fused --policies s5 --n ${DECODE_N:-1 8} --no-quality --out "$out/$2" --tag stage-$2 2>&1 \
     | tee "$out/throughput-$1-stage-$2.log" | tail -6)
 }
+attention_tests() {  # TAG TIMEOUT: the GPU tests named by AB_TESTS (a pytest -k expression over test_cuda.py;
+  # default the decode attention's and the engine's around it); TESTS=0 skips them
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout "$2" python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
+      -k "${AB_TESTS:-decode_attention or graph_decode or fused_forward or pdl_launches or overlap}" 2>&1 \
+      | tee "$OUT/cuda-tests-$1.log" | grep -E "passed|failed|Error" | tail -20
+  fi
+}
 case "${2:-}" in
   quick) run_tests; python3 -m bench.throughput --shape gemma3-1b --dtype bfloat16 --n 1 64 --out "$OUT" --tag quick ;;
   nf4)  # the NF4 kernels against bitsandbytes, 4-bit decode on the engine's kernels (fused) against
@@ -315,11 +323,7 @@ torch.cuda.synchronize()" 2>&1 | tee "$OUT/ncu-nf4-gemv.log" | grep -v "^==PROF=
     # directory holding an earlier tree) alternating, twice, at 64 and 256 rows of 4B and 1B, then a
     # wider grid of launches at 64 and 256 rows of 4B; first the GPU tests named by AB_TESTS (a pytest -k
     # expression over test_cuda.py; TESTS=0 skips them)
-    if [ "${TESTS:-1}" != 0 ]; then
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
-        -k "${AB_TESTS:-decode_attention or graph_decode or fused_forward or pdl_launches or overlap}" 2>&1 \
-        | tee "$OUT/cuda-tests-attn-ring.log" | grep -E "passed|failed|Error" | tail -20
-    fi
+    attention_tests attn-ring 240
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] && timeout 150 "$NCU" --clock-control none -k regex:_partial_kernel -s 3 -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
@@ -363,11 +367,7 @@ runpy.run_module('bench.profile_decode', run_name='__main__')" $limit --shape ge
     # of this tree and BEFORE's (a directory holding an earlier tree) alternating, for each "shape:N" of
     # STEPS_AB (default 1B and 4B at one row, 4B at 64); files tagged AB_TAG (default step-ab)
     tag=${AB_TAG:-step-ab}
-    if [ "${TESTS:-1}" != 0 ]; then
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/equivalence/test_cuda.py \
-        -k "${AB_TESTS:-decode_attention or graph_decode or fused_forward or pdl_launches or overlap}" 2>&1 \
-        | tee "$OUT/cuda-tests-$tag.log" | grep -E "passed|failed|Error" | tail -20
-    fi
+    attention_tests "$tag" 300
     for case in ${STEPS_AB:-gemma3-1b:1 gemma3-4b:1 gemma3-4b:64}; do
       for side in after before; do
         dir=.; [ $side = before ] && dir="$BEFORE"
