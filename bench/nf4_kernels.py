@@ -16,7 +16,8 @@ agree with the library's product, beside the planned one. `--sweep permute` time
 codes are looked up by byte permutes (kernels/nf4.py, `permute`). `--sweep mma` times the
 kernel that decodes the codes straight into mma.sync fragments (`mma`: tile shapes, K steps;
 `mma-deep`: deeper pipelines, K split for up to 16 programs per SM) against the planned
-launches for the row count.
+launches for the row count. `--sweep wide-tiles` times tiles of 64 rows of x against 128 or 256
+weight rows a program, which read x half or a quarter as often as tiles of 64.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ SWEEP_MMA = [(bm, bn, bk, w, 3, False, False, True) for bm in (8, 16)
              for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)) for bk in (128, 256, 512)]
 SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, True) for bn, w in ((32, 2), (64, 4)) for bk in (128, 256)
                   for st in (3, 4, 5)]
-SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
+# tiles of 64 rows of x against 128 or 256 weight rows a program: each program reads all of its K
+# slice of x, so wider weight tiles read x fewer times (at 64 rows x is 4x the bytes of the codes
+# in a tile of 64 weight rows)
+SWEEP_WIDE_TILES = [(64, bn, bk, w, st, sw) for bn in (128, 256) for bk in (64, 128) for w in (4, 8)
+                    for st in (2, 3) for sw in (True, False)]
+SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "wide-tiles": ([], SWEEP_WIDE_TILES, (0, 2, 4)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
           "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
           "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
 
