@@ -15,11 +15,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from engine import FinishReason, SamplingParams
 from service.errors import APIError, valid_text
-from service.schemas import DEFAULT_MAX_TOKENS, INT64
+from service.schemas import DEFAULT_MAX_TOKENS, INT64, NullIsDefault
 from service.structured import ANY_OBJECT, json_grammar
 
 
@@ -71,7 +71,7 @@ def text_grammar(body: ResponsesRequest) -> str | None:
     return json_grammar(ANY_OBJECT if schema is None else schema, "text.format")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsDefault):
     """POST /v1/responses. Unknown fields are accepted (and ignored), as on the other routes."""
 
     model_config = ConfigDict(extra="allow", strict=True)  # as the other routes' (schemas._Body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from engine.core.types import MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY
 from service.errors import APIError
@@ -50,7 +50,21 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None  # a last chunk with the usage, and `usage: null` on the others
 
 
-class _Body(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request body in which an explicit null for a parameter with a default (`n`, `stream`,
+    `echo`, `store`, ...) asks for that default, as the OpenAI API types them ("or null") and as
+    clients that send every field, nulls included, expect."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if isinstance(data, dict):
+            defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+class _Body(NullIsDefault):
     # strict: a number or boolean of another type ("5", 5.0 for an integer; "yes", 1 for a
     # boolean) is refused, as OpenAI refuses it, rather than coerced (an integer is a number)
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings", strict=True)

@@ -215,3 +215,30 @@ def test_session_turn_logprobs_streamed(server):
     assert [x["token_id"] for x in lps] == [t for e in tokens for t in e["token_ids"]]
     assert all(x["top_logprobs"][0]["token_id"] == x["token_id"] for x in lps)  # greedy
     httpx.delete(f"{server.url}/v1/sessions/{sid}")
+
+
+def test_null_parameters_ask_for_their_defaults(server):
+    """`null` for `n`, `stream`, `echo`, `ignore_eos`, `return_token_ids` and `store` (the OpenAI API
+    types them "or null"; clients that send every field send it) answers as if they were left out."""
+    def post(path, body):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 5, "temperature": 0}
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "return_token_ids": None}
+    want = post("/v1/chat/completions", chat).json()["choices"]
+    got = post("/v1/chat/completions", {**chat, **nulls}).json()["choices"]
+    assert [c["message"]["content"] for c in got] == [c["message"]["content"] for c in want] and len(want) == 1
+    assert "token_ids" not in got[0]
+    comp = {"prompt": "The three primary colors are", "max_tokens": 5, "temperature": 0}
+    want = post("/v1/completions", comp).json()["choices"][0]["text"]
+    assert post("/v1/completions", {**comp, **nulls, "echo": None}).json()["choices"][0]["text"] == want
+    resp = post("/v1/responses", {"input": "Name a color.", "max_output_tokens": 5, "temperature": 0,
+                                  "stream": None, "store": None}).json()
+    assert resp["object"] == "response" and resp["store"] is True
+    httpx.delete(f"{server.url}/v1/responses/{resp['id']}", timeout=30)
+    sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+    r = post(f"/v1/sessions/{sid}/generate", {"input": "Hi", "max_tokens": 2, "stream": None})
+    assert r.headers["content-type"].startswith("text/event-stream")  # the session route's default: streamed
+    httpx.delete(f"{server.url}/v1/sessions/{sid}", timeout=30)

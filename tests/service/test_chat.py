@@ -79,6 +79,23 @@ def test_a_template_error_is_the_callers(tok):
         tok.chat_template = saved
 
 
+def test_a_system_message_the_template_leaves_out_is_refused_not_dropped(embedded_dir):
+    """Gemma's template puts the system text into the first user turn: a system message sent alone
+    (a session's first append, a chat of one message) renders none of it, and is refused. A template
+    that renders it on its own takes it."""
+    from service.errors import APIError
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_dir))
+    system = {"role": "system", "content": "Always answer in French."}
+    assert "Always answer in French." in tok.decode(chat.message_ids(tok, [system, U("Hello")], 0, [], True))
+    for generation_prompt in (False, True):
+        with pytest.raises(APIError) as err:
+            chat.message_ids(tok, [system], 0, [], generation_prompt)
+        assert err.value.status == 400 and "system message" in err.value.message
+    tok.chat_template = CHATML_LIKE
+    assert tok.decode(chat.message_ids(tok, [system], 0, [], False)).endswith("Always answer in French.<end_of_turn>\n")
+
+
 async def test_long_turns_rendered_off_the_event_loop_equal_the_whole_conversation(tok):
     """Long messages take the front end's off-loop path (`turns.render_chat`: the template on a
     worker thread, its text in the tokenizer process): the same tokens, turn by turn."""
