@@ -239,8 +239,10 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": chunk_obj, "created": created, "model": model}
-    # every chunk is `head` with one choice: its JSON up to the choice is encoded once
+    # every chunk is `head` with one choice: its JSON up to the choice is encoded once; with
+    # include_usage every chunk before the last also says `usage: null`, as OpenAI's do
     opening = sse.event({**head, "choices": []})[: -len(b"]}\n\n")]
+    closing = b'],"usage":null}\n\n' if body.include_usage else b"]}\n\n"
     places = [_Choice(i, echoes[i] if echoes else "", calls) for i in range(len(turns))]
 
     def chunk(place: _Choice, delta_text: str | None, finish: str | None, token_ids: list[int] | None = None,
@@ -257,7 +259,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
         if body.return_token_ids:
             choice["token_ids"] = token_ids or []
         place.first = False
-        return opening + sse.encode(choice) + b"]}\n\n"
+        return opening + sse.encode(choice) + closing
 
     def call_chunks(place: _Choice, made: list[dict], finish: str) -> list[bytes]:
         """Tool calls in OpenAI's delta format: per call, its index, id, type and name (the first

@@ -32,6 +32,11 @@ def test_stream_framing_is_openai_exact(server):
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]].count("length") == 1
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # include_usage: null until the last
+    body["stream_options"] = None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        events = b"".join(r.iter_bytes()).decode().split("\n\n")
+    assert not any("usage" in json.loads(e[len("data: "):]) for e in events[:-2])  # without it, no usage at all
 
 
 def test_openai_sdk_sync_async_stream_and_not(server):
