@@ -19,6 +19,13 @@ def event(obj) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
 
+def generation_failed(message: str | None) -> bytes:
+    """The in-band error event of a stream whose generation failed after its first bytes (the
+    status line is sent): the error envelope, as OpenAI's streams carry one. `[DONE]` follows."""
+    return event({"error": {"message": message or "generation failed", "type": "server_error", "param": None,
+                            "code": "generation_failed"}})
+
+
 def response(frames: AsyncIterator[bytes], turn, headers: dict[str, str]) -> EventSourceResponse:
     """A streamed reply. However it ends (finished, failed or the client gone, whether or not its
     stream was being read), the turn is closed then: a request whose client left is aborted."""

@@ -283,8 +283,7 @@ async def _respond(body, turns: list, request: Request, chat: bool, model: str, 
             place = places[i]
             place.last = out
             if out.finish_reason == FinishReason.ERROR:
-                err = {"message": out.error, "type": "server_error", "param": None, "code": "generation_failed"}
-                yield sse.event({"error": err})
+                yield sse.generation_failed(out.error)
                 failed = True
                 break
             # token ids and logprobs go out with the text they make (held text: when it is released)

@@ -119,8 +119,11 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     async def events():
         sampled: list[int] = []
         async for out in turn.chunks():
+            if out.finish_reason == FinishReason.ERROR:  # the turn rolls back: no done event
+                yield sse.generation_failed(out.error)
+                break
             sampled += out.token_ids
-            if out.token_ids and out.finish_reason != FinishReason.ERROR:
+            if out.token_ids:
                 event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
                 if out.logprobs is not None:
                     event["logprobs"] = logprobs_format.session(out.token_ids, out.logprobs)

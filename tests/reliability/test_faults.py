@@ -103,7 +103,12 @@ def test_poisoned_turn_rolls_the_session_back():
     engine.check_invariants()
 
 
-def test_killed_engine_turns_health_503_and_requests_exit():
+@pytest.mark.parametrize("route", ["completions", "session"])
+def test_killed_engine_turns_health_503_and_requests_exit(route):
+    """The streams in flight end with the in-band error event, then [DONE], on the OpenAI routes
+    and on a session's turn alike, and the SDK's parser raises it."""
+    from service.client import GenerationFailed, parse_sse
+
     settings = Settings(engine=EngineConfig(model="tiny-random", max_rows=2, kv_cache_bytes=1 << 22), port=free_port())
     srv = LiveServer(settings).start()
     exits = []
@@ -111,10 +116,18 @@ def test_killed_engine_turns_health_503_and_requests_exit():
     try:
         events = []
 
+        if route == "session":
+            sid = httpx.post(f"{srv.url}/v1/sessions").json()["id"]
+            path, body = f"/v1/sessions/{sid}/generate", {"input": [5, 6, 7]}
+        else:
+            path, body = "/v1/completions", {"prompt": [5, 6, 7]}
+        lines = []
+
         def stream():
-            body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            with httpx.stream("POST", f"{srv.url}{path}", json={**body, "max_tokens": 3000, "stream": True,
+                                                               "ignore_eos": True}, timeout=30) as r:
                 for line in r.iter_lines():
+                    lines.append(line)
                     if line.startswith("data: "):
                         events.append(line[6:])
 
@@ -134,6 +147,9 @@ def test_killed_engine_turns_health_503_and_requests_exit():
         assert not t.is_alive()
         errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
         assert errors and "engine" in errors[-1]["error"]["message"] and events[-1] == "[DONE]"
+        assert errors[-1]["error"]["code"] == "generation_failed" and not any('"done"' in e for e in events)
+        with pytest.raises(GenerationFailed):
+            list(parse_sse(lines))
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 2})
         assert r.status_code == 503
         deadline = time.monotonic() + 5
