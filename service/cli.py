@@ -119,32 +119,40 @@ def DrainingServer(config, state):  # noqa: N802 - a factory that keeps uvicorn 
 
 
 def _chat(argv: list[str]) -> int:
+    """A terminal chat over one session (deleted on the way out): Ctrl-C cancels a reply, and at
+    the prompt ends the chat (exit 130), as Ctrl-D does (exit 0); a server that cannot be reached
+    or refuses the key is one line on stderr (exit 1)."""
     from service.client import Client, S5Error
+    from service.settings import int_at_least
 
     p = argparse.ArgumentParser(prog="s5serve chat", description="Chat in the terminal over a session.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--api-key", default=None, help="API key, if the server requires one")
-    p.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=256, help="longest reply, in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     a = p.parse_args(argv)
-    with Client(a.url, a.api_key) as client, client.create_session() as session:
-        print(f"session {session.id} (Ctrl-D to quit)")
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
+    try:
+        with Client(a.url, a.api_key) as client, client.create_session() as session:
+            print(f"session {session.id} (Ctrl-D to quit)")
+            while True:
+                try:
+                    line = input("> ")
+                except (EOFError, KeyboardInterrupt) as end:
+                    print()
+                    return 0 if isinstance(end, EOFError) else 130
+                try:
+                    for text in session.generate(messages=[{"role": "user", "content": line}],
+                                                 max_tokens=a.max_tokens, temperature=a.temperature):
+                        print(text, end="", flush=True)
+                except S5Error as err:
+                    print(f"\n[error] {err}")
+                except KeyboardInterrupt:
+                    print("\n[cancelled]")
                 print()
-                return 0
-            try:
-                for text in session.generate(messages=[{"role": "user", "content": line}],
-                                             max_tokens=a.max_tokens, temperature=a.temperature):
-                    print(text, end="", flush=True)
-            except S5Error as err:
-                print(f"\n[error] {err}")
-            except KeyboardInterrupt:
-                print("\n[cancelled]")
-            print()
+    except S5Error as err:
+        print(f"s5serve chat: {a.url}: {err}", file=sys.stderr)
+        return 1
 
 
 def _cluster(argv: list[str]) -> int:

@@ -18,7 +18,7 @@ import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from engine.core.config import CPU_KERNELS, DTYPES, KV_POLICIES, EngineConfig
 
@@ -301,7 +301,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 )
 
 
-def _env_value(opt: Option, p: argparse.ArgumentParser) -> tuple[bool, Any]:
+class BadEnv(NamedTuple):
+    """An environment variable's value that does not parse: the option's default in its place, an
+    error only where its flag is not given (the flag wins), and never for --help."""
+
+    message: str
+
+
+def _env_value(opt: Option) -> tuple[bool, Any]:
     for name in (opt.env, *opt.old_env):
         raw = os.environ.get(name)
         if raw is None:
@@ -309,9 +316,9 @@ def _env_value(opt: Option, p: argparse.ArgumentParser) -> tuple[bool, Any]:
         try:
             value = opt.parse(raw)
         except (argparse.ArgumentTypeError, ValueError) as e:
-            p.error(f"{name}={raw!r}: {e}")
+            return True, BadEnv(f"{name}={raw!r}: {e}")
         if opt.choices and value not in opt.choices:
-            p.error(f"{name}={raw!r}: choose from {', '.join(opt.choices)}")
+            return True, BadEnv(f"{name}={raw!r}: choose from {', '.join(opt.choices)}")
         return True, value
     return False, None
 
@@ -325,9 +332,11 @@ def serve_parser() -> argparse.ArgumentParser:
                "suffixes (powers of 1024).")
     for opt in SERVE_OPTIONS:
         builtin = opt.builtin_default()
-        from_env, env_value = _env_value(opt, p)
+        from_env, env_value = _env_value(opt)
         fallback = env_value if from_env else builtin
-        note = f"default: {opt.show(builtin)}; env {opt.env}" + (f", now {opt.show(env_value)}" if from_env else "")
+        note = f"default: {opt.show(builtin)}; env {opt.env}"
+        if from_env:
+            note += f", now {env_value.message if isinstance(env_value, BadEnv) else opt.show(env_value)}"
         kw: dict[str, Any] = dict(dest=opt.dest, help=f"{opt.help} [{note}]".replace("%", "%%"),
                                   metavar=opt.metavar, type=opt.parse, choices=opt.choices)
         if opt.target == "api_keys":  # repeatable: each use appends a list; unset, the fallback holds
@@ -342,7 +351,11 @@ def serve_parser() -> argparse.ArgumentParser:
 def parse_serve_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Settings:
     """Settings from the command line and environment; `parser`: serve_parser() with more
     arguments of another command (s5serve cluster), which are left to it."""
-    a = vars((parser or serve_parser()).parse_args(argv))
+    parser = parser or serve_parser()
+    a = vars(parser.parse_args(argv))
+    for dest, value in a.items():  # a variable that does not parse, whose flag was not given
+        if isinstance(value, BadEnv) and not (dest == "api_keys_fallback" and a["api_keys"] is not None):
+            parser.error(value.message)
     keys = a["api_keys"]
     a["api_keys"] = tuple(k for group in keys for k in group) if keys is not None else tuple(a["api_keys_fallback"])
     engine_kw: dict[str, Any] = {}
@@ -361,7 +374,7 @@ def parse_serve_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     try:
         engine = EngineConfig(**engine_kw)
     except ValueError as err:  # a combination of values the engine refuses (each flag alone parsed)
-        (parser or serve_parser()).error(str(err))
+        parser.error(str(err))
     return Settings(engine=engine, **settings_kw)
 
 

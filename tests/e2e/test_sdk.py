@@ -83,3 +83,36 @@ def test_misuse_and_an_unreachable_server_raise_at_once(server):
                 [t async for t in client.complete("x", n=3)]
 
     asyncio.run(run())
+
+
+def test_the_terminal_chat_answers_ends_and_reports_a_missing_server(server, monkeypatch, capsys):
+    """`s5serve chat`: a turn's reply printed as it streams; Ctrl-C at the prompt ends the chat
+    (exit 130) and deletes its session; a server that cannot be reached is one line on stderr
+    (exit 1), not a traceback."""
+    import builtins
+
+    import httpx
+
+    from service.cli import main
+
+    lines = iter(["What is the capital of France?"])
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    assert main(["chat", "--url", server.url, "--max-tokens", "7", "--temperature", "0"]) == 130
+    out = capsys.readouterr().out
+    sid = out.split()[1]
+    with Client(server.url) as client:
+        want = "".join(client.chat([{"role": "user", "content": "What is the capital of France?"}], **GREEDY))
+    assert want and want in out
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").status_code == 404  # deleted on the way out
+    assert main(["chat", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("s5serve chat: http://127.0.0.1:") and "Traceback" not in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main(["chat", "--max-tokens", "0"])

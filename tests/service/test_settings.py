@@ -127,6 +127,19 @@ def test_pdl_flag_and_environment(monkeypatch):
     assert parse_serve_args(["--pdl", "on"]).engine.pdl is True
 
 
+def test_a_bad_variable_is_refused_only_where_its_flag_is_not_given(monkeypatch, capsys):
+    monkeypatch.setenv("S5_WINDOW", "abc")
+    monkeypatch.setenv("S5_PORT", "99999")
+    settings = parse_serve_args(["--window", "64", "--port", "8012"])  # the flags win
+    assert settings.engine.kv_window == 64 and settings.port == 8012
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(["--window", "64"])
+    assert e.value.code == 2 and "S5_PORT='99999'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])  # help whatever the environment, naming the bad value
+    assert e.value.code == 0 and "S5_WINDOW='abc'" in capsys.readouterr().out
+
+
 def test_binding_beyond_loopback_without_keys_warns():
     assert exposure_warning(parse_serve_args([])) is None
     assert exposure_warning(parse_serve_args(["--host", "::1"])) is None
