@@ -58,9 +58,10 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
         out.connect(addr)
         outboxes.append(out)
     encode = ipc.encoder().encode
+    from engine.core.session_db import SessionFileBusy, SessionFileLock, SessionStoreError, is_postgres_url
+
     try:
         from engine.core.engine import Engine
-        from engine.core.session_db import SessionFileLock, is_postgres_url
 
         # one server per session file: taken before the model loads, so a second server on the
         # file stops at once (the store takes the lock over)
@@ -71,7 +72,10 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
         _warm_up(engine)
         engine.grammars.wait_built()
     except Exception as exc:
-        log.exception("the engine failed to start")
+        if isinstance(exc, (ValueError, SessionStoreError, SessionFileBusy)):  # the settings' or the store's
+            log.error("the engine failed to start: %s: %s", type(exc).__name__, exc)
+        else:  # anything else is the engine's own: with its traceback
+            log.exception("the engine failed to start")
         _broadcast(outboxes, encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
         _close(ctx, inbox, *outboxes)
         sys.exit(1)

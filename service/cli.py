@@ -40,6 +40,9 @@ def _serve(argv: list[str]) -> int:
     if (problem := device_problem(settings.engine.device)) is not None:
         print(f"s5serve: {problem}", file=sys.stderr)
         return 2
+    if (problem := listen_problem(settings.host, settings.port)) is not None:
+        print(f"s5serve: {problem}", file=sys.stderr)
+        return 1
     if (warning := exposure_warning(settings)) is not None:
         log.warning(warning)
     if settings.engine.model == "embedded":
@@ -60,6 +63,26 @@ def _serve(argv: list[str]) -> int:
     app.state.s5.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine died: exit 1
     server.run()
     return 1 if app.state.s5.fatal or app.state.s5.load_error else 0
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (another process holds it, the address is not
+    this machine's), found before the model loads; None if it can. The server binds as uvicorn
+    does (SO_REUSEADDR), so a port left in TIME_WAIT by a server that just stopped is free."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e}"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 def device_problem(device: str) -> str | None:

@@ -128,9 +128,13 @@ def parse_device(text: str) -> str:
 
 def parse_model(text: str) -> str:
     """A model: embedded, tiny-random[:seed], random:<config>, a hub id, or a local directory,
-    which must exist when the value is written as a path (absolute, ./, ../ or ~)."""
-    if text.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(text)):
+    which must exist when the value is written as a path (absolute, ./, ../ or ~) and, as any
+    local directory given, hold a Hugging Face model's config.json."""
+    path = os.path.expanduser(text)
+    if text.startswith(("/", "./", "../", "~")) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"no model directory at {text!r}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} holds no config.json: not a Hugging Face model directory")
     return text
 
 

@@ -140,6 +140,21 @@ def test_a_bad_variable_is_refused_only_where_its_flag_is_not_given(monkeypatch,
     assert e.value.code == 0 and "S5_WINDOW='abc'" in capsys.readouterr().out
 
 
+def test_a_port_in_use_stops_serve_before_the_model_loads(capsys):
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--model", "tiny-random", "--session-db", "none", "--port", str(port)]) == 1
+        assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+
+
 def test_binding_beyond_loopback_without_keys_warns():
     assert exposure_warning(parse_serve_args([])) is None
     assert exposure_warning(parse_serve_args(["--host", "::1"])) is None
@@ -185,6 +200,7 @@ def test_front_ends_one_on_the_cpu_one_per_four_cores_on_cuda(monkeypatch):
     (["--max-requests-per-key", "0"], "--max-requests-per-key"), (["--port", "70000"], "--port"),
     (["--max-model-len", "-5"], "--max-model-len"), (["--device", "tpu"], "--device"),
     (["--model", "/nonexistent/model/dir"], "no model directory"),
+    (["--model", os.path.dirname(os.path.abspath(__file__))], "holds no config.json"),
     # each value fine alone, refused together by the engine's own checks: a usage error too
     (["--kv-budget", "0"], "kv_budget"), (["--kv-windows", "0,1"], "kv_windows"),
     (["--quantization", "int8", "--device", "cuda"], "int8"),
