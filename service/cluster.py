@@ -378,8 +378,8 @@ def cluster_parser():
     p = serve_parser()
     p.prog = "s5serve cluster"
     p.epilog = ("Every flag of s5serve serve has an environment variable (shown with it): a flag on the command "
-                "line wins over the variable, the variable over the default; the cluster's own flags (below) "
-                "are flags only. Byte counts take K, M, G suffixes (powers of 1024).")
+                "line wins over the variable, the variable over the default; the cluster's own flags (the "
+                "cluster group above) are flags only. Byte counts take K, M, G suffixes (powers of 1024).")
     p.description = ("Serve a model from N replicas on Ray Serve behind one HTTP ingress (the routes of "
                      "s5serve serve); each session is served by one replica, and sessions are shared "
                      "through PostgreSQL (--session-db postgresql://...).")

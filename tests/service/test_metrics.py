@@ -68,3 +68,4 @@ def test_engine_stats_render_from_the_newest_snapshot():
     lines = exposition(m.registry)
     assert 's5_session_resumes_total{path="rebuild"} 6.0' in lines and "vllm:num_requests_running 6.0" in lines
     assert "s5_step_seconds_count 4.0" in exposition(m.own)
+    assert 's5_session_evictions_total{reason="ttl"} 0.0' in exposition(m.own)  # read as 0 before any eviction
