@@ -72,8 +72,9 @@ def run_engine(config: EngineConfig, ends: ipc.Endpoints, parent_pid: int, log_l
         _warm_up(engine)
         engine.grammars.wait_built()
     except Exception as exc:
-        if isinstance(exc, (ValueError, SessionStoreError, SessionFileBusy)):  # the settings' or the store's
+        if isinstance(exc, (ValueError, SessionStoreError, SessionFileBusy)):  # the settings', the model's, the store's
             log.error("the engine failed to start: %s: %s", type(exc).__name__, exc)
+            log.debug("the engine failed to start", exc_info=True)  # the traceback, at debug level
         else:  # anything else is the engine's own: with its traceback
             log.exception("the engine failed to start")
         _broadcast(outboxes, encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))

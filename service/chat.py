@@ -44,19 +44,23 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
 
 
 def render(tok, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None = None) -> str:
-    """The template's text for `messages`. A system message the template leaves out is refused
-    rather than dropped: Gemma's template, for one, puts the system text into the first user turn
-    and renders nothing of a system message sent without one."""
+    """The template's text for `messages`. System messages alone (a session's first append, a
+    chat of one message) that the template leaves out are refused rather than dropped: Gemma's
+    template, for one, puts the system text into the first user turn and renders nothing of a
+    system message sent without one. Where other messages come with them, the template's own
+    placement stands (Mistral's puts the system text into the last user message only)."""
     kw = {"tools": tools} if tools else {}
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kw)
     except Exception as exc:  # template errors are the caller's (e.g. roles out of order)
         raise APIError(400, f"messages: {exc}", "invalid_request", "messages") from exc
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") == "system" and isinstance(content, str) and content.strip() and content.strip() not in text:
-            raise APIError(400, "messages: this model's chat template renders a system message only together "
-                           "with the user message after it; send them in one request", "invalid_request", "messages")
+    if all(m.get("role") == "system" for m in messages):
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str) and content.strip() and content.strip() not in text:
+                raise APIError(400, "messages: this model's chat template renders nothing of a system message "
+                               "sent without a user message; send it together with the first user message",
+                               "invalid_request", "messages")
     return text
 
 

@@ -71,17 +71,16 @@ def listen_problem(host: str, port: int) -> str | None:
     does (SO_REUSEADDR), so a port left in TIME_WAIT by a server that just stopped is free."""
     import socket
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:  # every address the host resolves to, each bound as asyncio binds it (IPv6 sockets v6-only)
+        for family, kind, proto, _, addr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
     except OSError as e:
-        return f"cannot listen on {host}:{port}: {e}"
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
     return None
 
 
@@ -176,6 +175,9 @@ def _chat(argv: list[str]) -> int:
     except S5Error as err:
         print(f"s5serve chat: {a.url}: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while the session is made or deleted
+        print()
+        return 130
 
 
 def _cluster(argv: list[str]) -> int:

@@ -130,6 +130,8 @@ def parse_model(text: str) -> str:
     """A model: embedded, tiny-random[:seed], random:<config>, a hub id, or a local directory,
     which must exist when the value is written as a path (absolute, ./, ../ or ~) and, as any
     local directory given, hold a Hugging Face model's config.json."""
+    if text == "embedded" or text.startswith(("tiny-random", "random:")):  # not paths, whatever lies in the cwd
+        return text
     path = os.path.expanduser(text)
     if text.startswith(("/", "./", "../", "~")) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"no model directory at {text!r}")

@@ -94,6 +94,15 @@ def test_a_system_message_the_template_leaves_out_is_refused_not_dropped(embedde
         assert err.value.status == 400 and "system message" in err.value.message
     tok.chat_template = CHATML_LIKE
     assert tok.decode(chat.message_ids(tok, [system], 0, [], False)).endswith("Always answer in French.<end_of_turn>\n")
+    # a template that places the system text with the last user message only (Mistral's): with other
+    # messages beside it, its placement stands, even where a turn ends on a reply
+    tok.chat_template = (
+        "{%- set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
+        "{%- for m in messages if m['role'] != 'system' -%}"
+        "{%- if m['role'] == 'user' -%}{{ '[INST] ' + (sys + '\n\n' if loop.last and sys else '') + m['content'] + ' [/INST]' }}"
+        "{%- else -%}{{ m['content'] + '</s>' }}{%- endif -%}{%- endfor -%}")
+    text = chat.render(tok, [system, U("Hello"), A("Bonjour")], False)
+    assert "Always answer in French." not in text and text.endswith("Bonjour</s>")
 
 
 async def test_long_turns_rendered_off_the_event_loop_equal_the_whole_conversation(tok):

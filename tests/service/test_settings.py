@@ -140,6 +140,29 @@ def test_a_bad_variable_is_refused_only_where_its_flag_is_not_given(monkeypatch,
     assert e.value.code == 0 and "S5_WINDOW='abc'" in capsys.readouterr().out
 
 
+def test_model_keywords_are_not_paths_whatever_the_cwd_holds(tmp_path, monkeypatch):
+    for name in ("embedded", "tiny-random"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert parse_serve_args([]).engine.model == "embedded"
+    assert parse_serve_args(["--model", "tiny-random"]).engine.model == "tiny-random"
+
+
+def test_listening_is_checked_as_the_server_binds():
+    """IPv6 sockets bind v6-only, as asyncio's do: `--host ::` is free where only 0.0.0.0 is taken."""
+    import socket
+
+    from service.cli import listen_problem
+
+    with socket.socket() as v4:
+        v4.bind(("0.0.0.0", 0))
+        v4.listen()
+        port = v4.getsockname()[1]
+        assert "in use" in listen_problem("0.0.0.0", port)
+        free = listen_problem("::", port)  # None, or on a machine without IPv6 that reason, never "in use"
+        assert free is None or "in use" not in free, free
+
+
 def test_a_port_in_use_stops_serve_before_the_model_loads(capsys):
     import socket
     import time
