@@ -76,7 +76,8 @@ SWEEP_MMA_DEEP = [(8, bn, bk, w, st, False, False, True) for bn, w in ((32, 2), 
 # in a tile of 64 weight rows)
 SWEEP_WIDE_TILES = [(64, bn, bk, w, st, sw) for bn in (128, 256) for bk in (64, 128) for w in (4, 8)
                     for st in (2, 3) for sw in (True, False)]
-SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "wide-tiles": ([], SWEEP_WIDE_TILES, (0, 2, 4)), "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
+SWEEPS = {"grid": (SWEEP_ONE_ROW, SWEEP_TILES, (0, 2, 4, 8, 16)), "wide-tiles": ([], SWEEP_WIDE_TILES, (0, 2, 4)),
+          "permute": ([], SWEEP_PERMUTE, (0, 2, 4, 8)),
           "permute-planned": (SWEEP_PERMUTE_PLANNED, SWEEP_PERMUTE_TILES, (0, 2, 4)), "mma": ([], SWEEP_MMA, (0, 2, 4)),
           "mma-deep": ([], SWEEP_MMA_DEEP, (0, 2, 4, 8, 16))}
 

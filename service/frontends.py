@@ -53,15 +53,6 @@ class FrontEndSpec(msgspec.Struct, frozen=True):
     log_level: int
 
 
-def check_port(host: str, port: int) -> None:
-    """Raises OSError if the address cannot be bound (in use, or not this machine's). The front
-    ends then bind it together (SO_REUSEPORT); this plain bind keeps another server's port out."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-
-
 def listening_socket(host: str, port: int) -> socket.socket:
     """This front end's socket on the shared port (SO_REUSEPORT: one of the group)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
@@ -141,12 +132,8 @@ class Supervisor:
 
 
 def serve(settings: Settings) -> int:
-    """`s5serve serve` with `settings.front_ends()` > 1; the exit code."""
-    try:
-        check_port(settings.host, settings.port)
-    except OSError as e:
-        print(f"s5serve: cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
-        return 1
+    """`s5serve serve` with `settings.front_ends()` > 1 (the port checked free by cli.listen_problem);
+    the exit code."""
     return Supervisor(settings).run()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -55,12 +55,19 @@ class NullIsDefault(BaseModel):
     `echo`, `store`, ...) asks for that default, as the OpenAI API types them ("or null") and as
     clients that send every field, nulls included, expect."""
 
+    _defaulted: ClassVar[frozenset[str]] = frozenset()  # the fields with a default other than None
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._defaulted = frozenset(name for name, f in cls.model_fields.items()
+                                   if not f.is_required() and f.default is not None)
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data):
-        if isinstance(data, dict):
-            defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
-            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        if isinstance(data, dict) and None in data.values():
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._defaulted}
         return data
 
 

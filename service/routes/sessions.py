@@ -98,7 +98,6 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
             "completion_tokens": out.num_output_tokens,
             "prefill_seconds": prefill_s,
             "total_seconds": time.monotonic() - turn.started,
-            **({"error": out.error} if out.error else {}),
         }
         if turn.stopped:  # the session keeps the text before the stop string, not every sampled token
             kept, pending = kept_output(st.tokenizer, sampled, turn.detok.text)
